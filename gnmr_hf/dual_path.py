@@ -1,0 +1,102 @@
+"""Backend-agnostic control of dual-path modules.
+
+A *dual-path module* is any ``nn.Module`` that subclasses :class:`DualPathModule`: it runs a
+low-cost path by default and a recovery path after ``set_recovery(True)``. Each backend (INT8/BF16
+in :mod:`gnmr_hf.backends.bnb_int8`, saved-activation quantisation in
+:mod:`gnmr_hf.backends.act_quant`) lives in its own file; the functions here only find such modules
+inside the units and flip them, so the callback drives every backend through the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from torch import nn
+
+from gnmr_hf.units import Unit, UnitSpec, resolve_units
+
+
+class DualPathModule:
+    """Mixin for modules with a low-cost and a recovery path.
+
+    Subclasses implement :meth:`set_recovery` and :meth:`recovery_device_bytes` and keep
+    ``self.recovery`` (bool) true while the recovery path is selected.
+    """
+
+    recovery: bool = False
+
+    def set_recovery(self, on: bool) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def recovery_device_bytes(self) -> int:
+        """Bytes of accelerator (or, on CPU, process) memory currently held for the recovery path."""
+        return 0
+
+
+def dual_path_modules(module: nn.Module) -> Iterator[DualPathModule]:
+    for m in module.modules():
+        if isinstance(m, DualPathModule):
+            yield m
+
+
+def _check_indices(indices: Iterable[int], num_units: int) -> set[int]:
+    out = set()
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int):
+            try:
+                i = int(i)  # numpy / 0-d tensor ints
+            except (TypeError, ValueError):
+                raise TypeError(f"unit index {i!r} is not an integer") from None
+        if not 0 <= i < num_units:
+            raise IndexError(f"unit index {i} is out of range for {num_units} units")
+        out.add(i)
+    return out
+
+
+def set_active_units(model: nn.Module, indices: Iterable[int], units: UnitSpec | list[Unit] = None) -> None:
+    """Put exactly the units in ``indices`` on the recovery path and all others on the low-cost path.
+
+    Args:
+        model: a model prepared with :func:`prepare_dual_path` (PEFT-wrapped or not).
+        indices: unit indices (decoder-layer indices by default).
+        units: the unit specification (see :func:`gnmr_hf.units.resolve_units`) or resolved units.
+    """
+    resolved = _resolve(model, units)
+    wanted = _check_indices(indices, len(resolved))
+    for b, (name, unit) in enumerate(resolved):
+        mods = list(dual_path_modules(unit))
+        if b in wanted and not mods:
+            raise ValueError(f"unit {b} ({name}) has no recovery path (no dual-path module inside it)")
+        for m in mods:
+            if m.recovery != (b in wanted):
+                m.set_recovery(b in wanted)
+
+
+def active_units(model: nn.Module, units: UnitSpec | list[Unit] = None) -> list[int]:
+    """Indices of the units currently on the recovery path."""
+    return [b for b, (_, unit) in enumerate(_resolve(model, units)) if any(m.recovery for m in dual_path_modules(unit))]
+
+
+def recoverable_units(model: nn.Module, units: UnitSpec | list[Unit] = None) -> list[bool]:
+    """For each unit, whether it holds at least one dual-path module."""
+    return [any(True for _ in dual_path_modules(unit)) for _, unit in _resolve(model, units)]
+
+
+def recovery_device_bytes(model: nn.Module) -> int:
+    """Device bytes held right now by recovery-path weights, summed over the whole model."""
+    return sum(m.recovery_device_bytes() for m in dual_path_modules(model))
+
+
+def _resolve(model: nn.Module, units: Any) -> list[Unit]:
+    if isinstance(units, list) and units and isinstance(units[0], tuple):
+        return units
+    return resolve_units(model, units)
+
+
+def prepare_dual_path(model: nn.Module, recovery_source: str, storage: str = "host", **kwargs: Any) -> nn.Module:
+    """Give every decoder layer of an 8-bit model a BF16 recovery path (see
+    :func:`gnmr_hf.backends.bnb_int8.prepare_dual_path`)."""
+    from gnmr_hf.backends import bnb_int8
+
+    return bnb_int8.prepare_dual_path(model, recovery_source=recovery_source, storage=storage, **kwargs)

