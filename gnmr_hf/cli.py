@@ -1,0 +1,35 @@
+"""The ``gnmr-hf`` command: ``gnmr-hf demo | eval | report ...``.
+
+Each sub-command lives in its own module and is imported only when used, so ``gnmr-hf --help``
+stays fast and needs none of the optional dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+_COMMANDS = {
+    "demo": ("gnmr_hf.demo", "run the three SmolLM2 recipes (bf16, int8, gnmr), evaluate them, compare"),
+    "eval": ("gnmr_hf.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
+    "report": ("gnmr_hf.report", "print the paper's Table 7 layout for several eval result files"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gnmr-hf {" + ",".join(_COMMANDS) + "} [options]\n")
+        for name, (_, help_text) in _COMMANDS.items():
+            print(f"  {name:<8}{help_text}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in _COMMANDS:
+        print(f"gnmr-hf: unknown command {name!r}; choose one of {', '.join(_COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(_COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
