@@ -65,8 +65,9 @@ class _GNMRMonitor:
         gnmr, delta, nonfinite = [], [], []
         for b, n in enumerate(norms):
             if not math.isfinite(n):
-                gnmr.append(math.inf)
-                delta.append(math.inf)
+                # undefined, as in the controller: NaN never counts as a threshold exceedance
+                gnmr.append(math.nan)
+                delta.append(math.nan)
                 nonfinite.append(True)
                 continue
             nonfinite.append(False)
@@ -138,8 +139,8 @@ class _BudgetedPolicy:
         self._monitor = _GNMRMonitor(num_units, window)
         self._mask = [False] * num_units
         self.last_record: dict[str, Any] | None = None
-        self._totals = {"steps": 0, "active": 0, "hit_max": 0, "switches": 0, "over_gnmr": 0, "over_delta": 0,
-                        "nonfinite": 0}
+        self._totals = {"steps": 0, "active": 0, "hit_max": 0, "promotions": 0, "demotions": 0,
+                        "over_gnmr": 0, "over_delta": 0, "nonfinite": 0}
 
     @property
     def budget(self) -> int:
@@ -169,15 +170,17 @@ class _BudgetedPolicy:
         new = [b in set(active) for b in range(self.num_units)]
         promoted = [b for b in range(self.num_units) if new[b] and not self._mask[b]]
         demoted = [b for b in range(self.num_units) if self._mask[b] and not new[b]]
-        over_g = sum(1 for b in range(self.num_units) if self.recoverable[b] and gnmr[b] >= self.alpha)
-        over_d = sum(1 for b in range(self.num_units) if self.recoverable[b] and delta[b] >= self.beta)
-        hit = self.budget > 0 and len(active) == self.max_active
-        self._mask = new
+        # every monitored unit counts, as in the controller's Table 3 figures
+        over_g = sum(1 for g in gnmr if g >= self.alpha)
+        over_d = sum(1 for d in delta if d >= self.beta)
+        hit = len(active) == self.max_active
         tot = self._totals
         tot["steps"] = t
-        tot["active"] += len(active)
+        tot["active"] += sum(self._mask)  # the mask in effect during step t
+        tot["promotions"] += len(promoted)
+        tot["demotions"] += len(demoted)
+        self._mask = new
         tot["hit_max"] += int(hit)
-        tot["switches"] += len(promoted) + len(demoted)
         tot["over_gnmr"] += over_g
         tot["over_delta"] += over_d
         tot["nonfinite"] += sum(nonfinite)
@@ -198,19 +201,27 @@ class _BudgetedPolicy:
         return torch.tensor(new, dtype=torch.bool)
 
     def summary(self) -> dict[str, Any]:
-        """Run totals: promotion ratio (active unit-steps / recoverable unit-steps), hit-maxO rate,
-        GNMR and Delta threshold exceedance rates over recoverable unit-steps, switches."""
+        """Run figures with the controller's definitions (``GNMRController.summary``).
+
+        ``promotion_ratio`` = active unit-steps / recoverable unit-steps over the masks in effect
+        during steps 1..t; ``hit_max_rate`` = steps whose selection filled ``max_active`` / steps;
+        ``gnmr_exceedance_rate`` / ``delta_exceedance_rate`` = unit-steps (U * t) with GNMR >= alpha /
+        Delta >= beta; ``switches`` = promotions + demotions; ``nonfinite`` = non-finite unit-steps.
+        """
         tot = self._totals
         steps = tot["steps"]
-        unit_steps = steps * sum(self.recoverable)
+        rec_steps = steps * sum(self.recoverable)
+        all_steps = steps * self.num_units
         return {
             "policy": self.name,
             "steps": steps,
-            "promotion_ratio": tot["active"] / unit_steps if unit_steps else 0.0,
+            "promotion_ratio": tot["active"] / rec_steps if rec_steps else 0.0,
             "hit_max_rate": tot["hit_max"] / steps if steps else 0.0,
-            "gnmr_exceedance_rate": tot["over_gnmr"] / unit_steps if unit_steps else 0.0,
-            "delta_exceedance_rate": tot["over_delta"] / unit_steps if unit_steps else 0.0,
-            "switches": tot["switches"],
+            "gnmr_exceedance_rate": tot["over_gnmr"] / all_steps if all_steps else 0.0,
+            "delta_exceedance_rate": tot["over_delta"] / all_steps if all_steps else 0.0,
+            "switches": tot["promotions"] + tot["demotions"],
+            "promotions": tot["promotions"],
+            "demotions": tot["demotions"],
             "nonfinite": tot["nonfinite"],
         }
 

@@ -1,0 +1,399 @@
+"""Activation-quantisation stress bench: pre-train a LLaMA-style model from a config (paper section 5.1).
+
+Weights and optimizer state stay in BF16; the saved input activations of the attention and SwiGLU
+projections (7 operator units per layer) are quantised token-wise for the backward pass:
+
+    method   saved activations                               trigger
+    bf16     unquantised                                      -
+    fixed8   8-bit everywhere                                 -
+    fixed4   4-bit everywhere                                 -
+    gnmr     4-bit, up to max_active units at 8-bit           GNMR + Delta-GNMR (the controller)
+    adapt    BF16 warm-up, then a fixed top-25 % at 8-bit     ADAPT-style static profile
+    gsnr     4-bit, max_active lowest-GSNR units at 8-bit     gradient signal-to-noise ranking
+    random   4-bit, max_active random units at 8-bit          seeded random ranking
+
+Every dynamic method runs through ``GNMRCallback(policy=...)``, the same callback and actuator
+(``set_active_units``) the INT8/BF16 LoRA path uses.
+
+Usage:
+    python recipes/stress/pretrain.py --config recipes/stress/configs/cpu_bench.yaml --method gnmr \
+        --output_dir runs/stress/gnmr [train.max_steps=600 gnmr.max_active=4 ...]
+
+Writes ``<output_dir>/metrics.jsonl`` (per-step time, loss, saved-activation bytes, active units, eval
+loss) and ``<output_dir>/result.json`` (final validation perplexity, the policy summary, step time and
+memory), which ``recipes/stress/report.py`` turns into the paper's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+METHODS = ("bf16", "fixed8", "fixed4", "gnmr", "adapt", "gsnr", "random")
+DYNAMIC = ("gnmr", "adapt", "gsnr", "random")
+HERE = Path(__file__).resolve().parent
+EOS = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- config
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> dict:
+    """Read the YAML config and apply ``section.key=value`` overrides (values parsed as YAML)."""
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value")
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = yaml.safe_load(value)
+    return cfg
+
+
+# ---------------------------------------------------------------- data
+def corpus_files(corpus_dir: str | os.PathLike) -> list[Path]:
+    """All text files under ``corpus_dir`` (``*.txt``, ``*.rst``), sorted by relative path."""
+    root = Path(corpus_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"corpus folder {root} does not exist (for the Python documentation corpus: "
+            "apt-get install -y python3.11-doc)"
+        )
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".rst"))
+    if not files:
+        raise FileNotFoundError(f"no .txt/.rst files under {root}")
+    return files
+
+
+def split_files(files: list[Path], val_every: int) -> tuple[list[Path], list[Path]]:
+    """Every ``val_every``-th file (by sorted path) is held out for validation: whole documents, no overlap."""
+    val = files[val_every - 1 :: val_every]
+    held = set(val)
+    return [f for f in files if f not in held], val
+
+
+def _fingerprint(files: list[Path], *extra) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f).encode())
+        h.update(str(f.stat().st_size).encode())
+    for e in extra:
+        h.update(repr(e).encode())
+    return h.hexdigest()[:16]
+
+
+def build_tokenizer(train_files: list[Path], vocab_size: int, cache_dir: Path):
+    """A byte-level BPE tokenizer trained on the training split (cached), as a ``PreTrainedTokenizerFast``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = cache_dir / f"bpe-{vocab_size}-{_fingerprint(train_files)}.json"
+    if not path.is_file():
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train([str(f) for f in train_files], trainer)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, path)
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token=EOS)
+
+
+def tokenize_files(tokenizer, files: list[Path], cache_dir: Path, tag: str) -> torch.Tensor:
+    """Concatenate the files' token ids, an EOS after each document (cached as int32)."""
+    path = cache_dir / f"ids-{tag}-{_fingerprint(files, tokenizer.vocab_size)}.pt"
+    if path.is_file():
+        return torch.load(path)
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer(f.read_text(encoding="utf-8", errors="replace"))["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    out = torch.tensor(ids, dtype=torch.int32)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(out, tmp)
+    os.replace(tmp, path)
+    return out
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Non-overlapping ``seq_len`` blocks of a token stream; labels are the inputs (the model shifts)."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, max_blocks: int | None = None) -> None:
+        n = ids.numel() // seq_len
+        if max_blocks is not None:
+            n = min(n, max_blocks)
+        if n == 0:
+            raise ValueError(f"a token stream of {ids.numel()} tokens has no block of {seq_len}")
+        self.blocks = ids[: n * seq_len].view(n, seq_len).long()
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        x = self.blocks[i]
+        return {"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}
+
+
+def build_data(cfg: dict, cache_dir: Path):
+    d = cfg["data"]
+    corpus = d["corpus_dir"]
+    if not os.path.isabs(corpus) and not os.path.isdir(corpus):
+        corpus = HERE / corpus  # configs may name the shipped sample relative to this folder
+    files = corpus_files(corpus)
+    train_files, val_files = split_files(files, d["val_every"])
+    tokenizer = build_tokenizer(train_files, d["vocab_size"], cache_dir)
+    train_ids = tokenize_files(tokenizer, train_files, cache_dir, "train")
+    val_ids = tokenize_files(tokenizer, val_files, cache_dir, "val")
+    train = BlockDataset(train_ids, d["seq_len"])
+    val = BlockDataset(val_ids, d["seq_len"], d.get("eval_blocks"))
+    info = {"corpus_dir": str(corpus), "files": len(files), "train_files": len(train_files),
+            "val_files": len(val_files), "train_tokens": int(train_ids.numel()), "val_tokens": int(val_ids.numel()),
+            "train_blocks": len(train), "val_blocks": len(val), "vocab_size": len(tokenizer)}
+    return tokenizer, train, val, info
+
+
+# ---------------------------------------------------------------- model
+def build_model(cfg: dict, vocab_size: int, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = cfg["model"]
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m["hidden_size"],
+        intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["num_hidden_layers"],
+        num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m.get("num_key_value_heads", m["num_attention_heads"]),
+        max_position_embeddings=cfg["data"]["seq_len"],
+        tie_word_embeddings=m.get("tie_word_embeddings", False),
+    )
+    torch.manual_seed(cfg["train"]["seed"])  # same initial weights for every method
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def apply_method(model, method: str, cfg: dict):
+    """Convert the projections for ``method``; returns the operator units."""
+    from gnmr_hf.backends.act_quant import prepare_act_quant
+
+    q = cfg["quant"]
+    low = {"bf16": None, "fixed8": q["high_bits"], "fixed4": q["low_bits"]}.get(method, q["low_bits"])
+    return prepare_act_quant(model, low_bits=low, high_bits=q["high_bits"], units="operators")
+
+
+def build_policy(method: str, cfg: dict, num_units: int, max_steps: int):
+    from gnmr_hf.controller import GNMRConfig
+    from gnmr_hf.triggers import make_policy
+
+    g = dict(cfg["gnmr"])
+    init_fraction = g.pop("init_fraction", 0.0)
+    if init_fraction:
+        g["init_steps"] = max(1, round(init_fraction * max_steps))
+    gcfg = GNMRConfig(**g)
+    b = cfg.get("baselines", {})
+    return make_policy(method, num_units, gcfg, warmup_steps=b.get("adapt_warmup_steps"),
+                       fraction=b.get("adapt_fraction", 0.25), seed=b.get("random_seed", 0)), gcfg
+
+
+# ---------------------------------------------------------------- bookkeeping callbacks
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class _Callbacks:
+    """Built lazily so that importing this file (tests, report) does not import transformers."""
+
+    @staticmethod
+    def full_precision_warmup(model, steps: int):
+        from gnmr_hf.backends.act_quant import set_full_precision
+
+        class FullPrecisionWarmup(_trainer_callback_base()):
+            """ADAPT-style baseline: steps 1..W save unquantised (BF16) activations, then the paths apply."""
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                # global_step is t-1 at the beginning of step t
+                set_full_precision(model, state.global_step < steps)
+
+        return FullPrecisionWarmup()
+
+    @staticmethod
+    def metrics(model, units, out_path: Path, policy=None):
+        from gnmr_hf.backends.act_quant import saved_activation_bytes
+        from gnmr_hf.dual_path import active_units
+
+        class StressMetrics(_trainer_callback_base()):
+            """Per-step wall time, loss, saved-activation bytes, active units and eval loss to JSONL."""
+
+            def __init__(self):
+                self.f = open(out_path, "a")
+                self.t0 = None
+                self.step_times: list[float] = []
+                self.peak_saved = 0
+                self.evals: list[tuple[int, float]] = []
+                self.last_loss = None
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.t0 = time.perf_counter()
+                self.saved_this_step = 0
+                self.active = active_units(model, units)
+
+            def on_substep_end(self, args, state, control, **kwargs):
+                self.peak_saved = max(self.peak_saved, saved_activation_bytes(model))
+
+            def on_step_end(self, args, state, control, **kwargs):
+                dt = time.perf_counter() - self.t0
+                self.step_times.append(dt)
+                # the last micro-batch's forward is still recorded in the modules at this point
+                self.peak_saved = max(self.peak_saved, saved_activation_bytes(model))
+                rec = {"step": state.global_step, "step_time": dt, "active": self.active,
+                       "saved_act_bytes": saved_activation_bytes(model)}
+                if policy is not None and getattr(policy, "last_record", None):
+                    r = policy.last_record
+                    rec.update(over_gnmr=r["over_gnmr"], over_delta=r["over_delta"], hit_max=bool(r["hit_max"]))
+                self.f.write(json.dumps(rec) + "\n")
+                self.f.flush()
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                logs = logs or {}
+                if "loss" in logs:
+                    self.last_loss = logs["loss"]
+                    self.f.write(json.dumps({"step": state.global_step, "train_loss": logs["loss"],
+                                             "lr": logs.get("learning_rate")}) + "\n")
+                if "eval_loss" in logs:
+                    self.evals.append((state.global_step, logs["eval_loss"]))
+                    self.f.write(json.dumps({"step": state.global_step, "eval_loss": logs["eval_loss"]}) + "\n")
+                self.f.flush()
+
+        return StressMetrics()
+
+
+# ---------------------------------------------------------------- main
+def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = False) -> dict:
+    """Pre-train one method; returns (and writes) the result record."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tr = cfg["train"]
+    torch.set_num_threads(int(tr.get("threads", torch.get_num_threads())))
+    cache_dir = Path(cfg["data"].get("cache_dir") or out.parent / ".cache")
+    tokenizer, train_ds, val_ds, data_info = build_data(cfg, cache_dir)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[tr.get("dtype", "bfloat16")]
+    model = build_model(cfg, len(tokenizer), dtype)
+    units = apply_method(model, method, cfg)
+    max_steps = tr["max_steps"]
+
+    callbacks = []
+    policy = None
+    if method in DYNAMIC:
+        from gnmr_hf.callback import GNMRCallback
+
+        policy, _ = build_policy(method, cfg, len(units), max_steps)
+        # every trigger, the controller included, goes through the same policy slot and actuator
+        callbacks.append(GNMRCallback(units=[name for name, _ in units], policy=policy,
+                                      trace=str(out / "gnmr_trace.jsonl")))
+        if method == "adapt":
+            callbacks.append(_Callbacks.full_precision_warmup(model, cfg["baselines"]["adapt_warmup_steps"]))
+    metrics_path = out / "metrics.jsonl"
+    if not resume and metrics_path.exists():
+        metrics_path.unlink()
+    metrics = _Callbacks.metrics(model, units, metrics_path, policy)
+    callbacks.append(metrics)
+
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=tr["batch_size"],
+        per_device_eval_batch_size=tr.get("eval_batch_size", tr["batch_size"]),
+        gradient_accumulation_steps=tr["gradient_accumulation_steps"],
+        learning_rate=tr["learning_rate"],
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": tr.get("min_lr_rate", 0.1)},
+        warmup_steps=max(1, round(tr.get("warmup_ratio", 0.1) * max_steps)),
+        weight_decay=tr.get("weight_decay", 0.0),
+        adam_beta2=tr.get("adam_beta2", 0.95),
+        max_grad_norm=tr.get("max_grad_norm", 1.0),
+        eval_strategy="steps",
+        eval_steps=tr["eval_steps"],
+        logging_steps=tr.get("logging_steps", 10),
+        save_strategy="steps" if tr.get("save_steps") else "no",
+        save_steps=tr.get("save_steps") or 500,
+        save_total_limit=1,
+        seed=tr["seed"],
+        data_seed=tr["seed"],
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        restore_callback_states_from_checkpoint=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=val_ds,
+                      data_collator=default_data_collator, callbacks=callbacks)
+    has_ckpt = resume and any(out.glob("checkpoint-*"))
+    t0 = time.perf_counter()
+    trainer.train(resume_from_checkpoint=True if has_ckpt else None)
+    wall = time.perf_counter() - t0
+    final = trainer.evaluate()
+    final_loss = float(final["eval_loss"])
+    times = metrics.step_times[1:] or metrics.step_times  # the first step includes warm-up costs
+    result = {
+        "method": method,
+        "final_eval_loss": final_loss,
+        "final_ppl": math.exp(final_loss) if final_loss < 50 else float("inf"),
+        "eval_curve": metrics.evals + [(max_steps, final_loss)],
+        "step_time_s": sum(times) / len(times) if times else None,
+        "peak_saved_act_MB": metrics.peak_saved / 2**20,
+        "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_cuda_MB": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "wall_s": wall,
+        "tokens": max_steps * tr["batch_size"] * tr["gradient_accumulation_steps"] * cfg["data"]["seq_len"],
+        "num_units": len(units),
+        "max_active": cfg["gnmr"]["max_active"],
+        "policy_summary": policy.summary() if policy is not None else None,
+        "data": data_info,
+        "config": cfg,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("overrides", nargs="*", help="section.key=value (YAML values)")
+    a = p.parse_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    res = run(cfg, a.method, a.output_dir, resume=a.resume)
+    print(json.dumps({k: res[k] for k in ("method", "final_ppl", "step_time_s", "peak_saved_act_MB", "wall_s")}))
+    if res["policy_summary"]:
+        print(json.dumps(res["policy_summary"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
