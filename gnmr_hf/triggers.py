@@ -121,6 +121,9 @@ class _BudgetedPolicy:
         alpha: float = 1.1,
         beta: float = 1.5,
         window: int = 5,
+        alpha_init: float | None = None,
+        beta_init: float | None = None,
+        init_steps: int = 0,
     ) -> None:
         if not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"num_units must be a positive integer, got {num_units!r}")
@@ -135,6 +138,10 @@ class _BudgetedPolicy:
         self.recoverable = _recoverable_list(recoverable, num_units)
         self.alpha = float(alpha)
         self.beta = float(beta)
+        # the controller's two-stage thresholds, for the exceedance statistics only
+        self.alpha_init = self.alpha if alpha_init is None else float(alpha_init)
+        self.beta_init = self.beta if beta_init is None else float(beta_init)
+        self.init_steps = int(init_steps)
         self.window = window
         self._monitor = _GNMRMonitor(num_units, window)
         self._mask = [False] * num_units
@@ -171,8 +178,9 @@ class _BudgetedPolicy:
         promoted = [b for b in range(self.num_units) if new[b] and not self._mask[b]]
         demoted = [b for b in range(self.num_units) if self._mask[b] and not new[b]]
         # every monitored unit counts, as in the controller's Table 3 figures
-        over_g = sum(1 for g in gnmr if g >= self.alpha)
-        over_d = sum(1 for d in delta if d >= self.beta)
+        alpha, beta = (self.alpha_init, self.beta_init) if t <= self.init_steps else (self.alpha, self.beta)
+        over_g = sum(1 for g in gnmr if g >= alpha)
+        over_d = sum(1 for d in delta if d >= beta)
         hit = len(active) == self.max_active
         tot = self._totals
         tot["steps"] = t
@@ -281,16 +289,16 @@ class StaticSensitivityPolicy(_BudgetedPolicy):
         max_active: the budget maxO.
         warmup_steps: W, the profiling steps (paper: 500).
         fraction: share of units fixed at high precision (paper: 0.25).
-        recoverable, alpha, beta, window: as for the controller (alpha/beta/window only feed the
-            exceedance statistics).
+        recoverable: as for the controller.
+        thresholds: ``alpha``, ``beta``, ``window``, ``alpha_init``, ``beta_init``, ``init_steps`` as
+            in ``GNMRConfig``; they only feed the exceedance statistics.
     """
 
     name = "adapt"
 
     def __init__(self, num_units: int, max_active: int, warmup_steps: int, fraction: float = 0.25,
-                 recoverable: Sequence[bool] | None = None, alpha: float = 1.1, beta: float = 1.5,
-                 window: int = 5) -> None:
-        super().__init__(num_units, max_active, recoverable, alpha, beta, window)
+                 recoverable: Sequence[bool] | None = None, **thresholds: Any) -> None:
+        super().__init__(num_units, max_active, recoverable, **thresholds)
         if not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be a positive integer, got {warmup_steps!r}")
         if not 0 < fraction <= 1:
@@ -351,8 +359,8 @@ class GSNRPolicy(_BudgetedPolicy):
     needs_microbatch_norms = True
 
     def __init__(self, num_units: int, max_active: int, recoverable: Sequence[bool] | None = None,
-                 alpha: float = 1.1, beta: float = 1.5, window: int = 5) -> None:
-        super().__init__(num_units, max_active, recoverable, alpha, beta, window)
+                 **thresholds: Any) -> None:
+        super().__init__(num_units, max_active, recoverable, **thresholds)
         self._sq_sum = [0.0] * num_units
         self._micro = 0
 
@@ -399,8 +407,8 @@ class RandomPolicy(_BudgetedPolicy):
     name = "random"
 
     def __init__(self, num_units: int, max_active: int, recoverable: Sequence[bool] | None = None,
-                 seed: int = 0, alpha: float = 1.1, beta: float = 1.5, window: int = 5) -> None:
-        super().__init__(num_units, max_active, recoverable, alpha, beta, window)
+                 seed: int = 0, **thresholds: Any) -> None:
+        super().__init__(num_units, max_active, recoverable, **thresholds)
         self.seed = int(seed)
         self._gen = torch.Generator().manual_seed(self.seed)
 
@@ -430,7 +438,8 @@ def make_policy(name: str, num_units: int, config: Any, recoverable: Sequence[bo
         fraction: share of units the ADAPT-style baseline fixes at high precision.
         seed: the random policy's seed.
     """
-    common = {"alpha": config.alpha, "beta": config.beta, "window": config.window}
+    common = {"alpha": config.alpha, "beta": config.beta, "window": config.window, "alpha_init": config.alpha_init,
+              "beta_init": config.beta_init, "init_steps": config.init_steps}
     if name == "gnmr":
         from gnmr_hf.controller import GNMRController
 

@@ -168,9 +168,9 @@ def test_state_round_trip_is_exact(name):
 
 
 def test_baseline_gnmr_statistics_match_controller():
-    cfg = GNMRConfig(max_active=2, alpha=1.1, beta=1.3, window=3)
+    cfg = GNMRConfig(max_active=2, alpha=1.1, alpha_init=1.6, beta=1.3, beta_init=1.4, window=3, init_steps=6)
     ctrl = GNMRController(U, cfg)
-    rnd = RandomPolicy(U, 2, alpha=1.1, beta=1.3, window=3)
+    rnd = make_policy("random", U, cfg)
     for n in _norm_stream(25, seed=2):
         ctrl.step(n)
         rnd.step(n)

@@ -200,11 +200,13 @@ def apply_method(model, method: str, cfg: dict):
     return prepare_act_quant(model, low_bits=low, high_bits=q["high_bits"], units="operators")
 
 
-def build_policy(method: str, cfg: dict, num_units: int, max_steps: int):
+def build_policy(method: str, cfg: dict, num_units: int, max_steps: int, max_active: int | None = None):
     from gnmr_hf.controller import GNMRConfig
     from gnmr_hf.triggers import make_policy
 
     g = dict(cfg["gnmr"])
+    if max_active is not None:
+        g["max_active"] = max_active
     init_fraction = g.pop("init_fraction", 0.0)
     if init_fraction:
         g["init_steps"] = max(1, round(init_fraction * max_steps))
@@ -306,17 +308,16 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     units = apply_method(model, method, cfg)
     max_steps = tr["max_steps"]
 
-    callbacks = []
-    policy = None
-    if method in DYNAMIC:
-        from gnmr_hf.callback import GNMRCallback
+    from gnmr_hf.callback import GNMRCallback
 
-        policy, _ = build_policy(method, cfg, len(units), max_steps)
-        # every trigger, the controller included, goes through the same policy slot and actuator
-        callbacks.append(GNMRCallback(units=[name for name, _ in units], policy=policy,
-                                      trace=str(out / "gnmr_trace.jsonl")))
-        if method == "adapt":
-            callbacks.append(_Callbacks.full_precision_warmup(model, cfg["baselines"]["adapt_warmup_steps"]))
+    # every trigger, the controller included, goes through the same policy slot and actuator. The fixed
+    # methods get the controller with max_active = 0: a pure monitor (their Table 3 figures), never
+    # promoting anything, and the same per-step callback cost as the dynamic methods.
+    policy, _ = build_policy(method if method in DYNAMIC else "gnmr", cfg, len(units), max_steps,
+                             max_active=None if method in DYNAMIC else 0)
+    callbacks: list = [GNMRCallback(units=[name for name, _ in units], policy=policy, trace=str(out / "gnmr_trace.jsonl"))]
+    if method == "adapt":
+        callbacks.append(_Callbacks.full_precision_warmup(model, cfg["baselines"]["adapt_warmup_steps"]))
     metrics_path = out / "metrics.jsonl"
     if not resume and metrics_path.exists():
         metrics_path.unlink()
@@ -372,7 +373,8 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         "tokens": max_steps * tr["batch_size"] * tr["gradient_accumulation_steps"] * cfg["data"]["seq_len"],
         "num_units": len(units),
         "max_active": cfg["gnmr"]["max_active"],
-        "policy_summary": policy.summary() if policy is not None else None,
+        "policy_summary": policy.summary(),
+        "monitor_only": method not in DYNAMIC,
         "data": data_info,
         "config": cfg,
     }
@@ -391,8 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(a.config, a.overrides)
     res = run(cfg, a.method, a.output_dir, resume=a.resume)
     print(json.dumps({k: res[k] for k in ("method", "final_ppl", "step_time_s", "peak_saved_act_MB", "wall_s")}))
-    if res["policy_summary"]:
-        print(json.dumps(res["policy_summary"]))
+    print(json.dumps(res["policy_summary"]))
 
 
 if __name__ == "__main__":
