@@ -206,8 +206,10 @@ class GNMRCallback(TrainerCallback, ExportableState):
             names, or a callable ``model -> [(name, module), ...]`` (see
             :func:`gnmr_hf.units.resolve_units`).
         policy (*optional*): a trigger policy used instead of ``GNMRController`` (baselines). Either an
-            object, or a class/factory called as ``policy(num_units, recoverable)`` at train begin,
-            ``recoverable`` being a list of ``U`` bools. The object must provide:
+            object, or a class/factory (anything callable without a ``step`` attribute, e.g.
+            ``functools.partial(GSNRPolicy, max_active=10)``) called at train begin as
+            ``policy(num_units, recoverable=recoverable)``, ``recoverable`` being a list of ``U`` bools.
+            The object must provide:
 
             - ``step(norms: Tensor[U]) -> Tensor[U] (bool)``: takes this step's per-unit gradient norms
               (float64, CPU; NaN/Inf possible) and returns the units active for the *next* step;
@@ -434,7 +436,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def _build_controller(self, num_units: int, state) -> None:
         if self.policy is not None:
-            self.controller = self.policy(num_units, list(self._recoverable)) if _is_factory(self.policy) else self.policy
+            self.controller = (
+                self.policy(num_units, recoverable=list(self._recoverable)) if _is_factory(self.policy) else self.policy
+            )
             for name in ("step", "initial_mask", "state_dict", "load_state_dict", "summary"):
                 if not callable(getattr(self.controller, name, None)):
                     raise TypeError(f"GNMRCallback: the policy {type(self.controller).__name__} has no method {name}()")
