@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf._import_utils import require
-from gnmr_hf.report import format_row, format_table, summary_from_results
+from gnmr_hf.report import GSM8K_FILTERS, format_row, format_table, summary_from_results
 
 TASKS = ("gsm8k", "mmlu", "hellaswag", "wikitext")
 # files each task needs under DATA_DIR/<task>/, and the hub schema's fields every row must have
@@ -49,6 +49,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
                   "split_type", "label"),
     "wikitext": ("page",),
 }
+# the split each task draws few-shot examples from, and the harness's default shot count
+FEWSHOT: dict[str, tuple[str, int]] = {"gsm8k": ("train", 5), "mmlu": ("dev", 0), "hellaswag": ("train", 0),
+                                       "wikitext": ("train", 0)}
 PRECISIONS = ("bf16", "int8")
 _TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
@@ -101,21 +104,28 @@ def _read_rows(path: Path, task: str) -> list[dict[str, Any]]:
 
 
 def _harness_tasks_dir() -> Path:
-    import lm_eval.tasks
+    # find_spec, not import: validating a data folder should not pay for importing the harness
+    import importlib.util
 
-    return Path(lm_eval.tasks.__file__).parent
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        require("lm_eval", "The lm-evaluation-harness evaluation")
+    return Path(list(spec.submodule_search_locations)[0]) / "tasks"
 
 
 def _mmlu_subjects(harness: Path) -> set[str]:
     return {p.stem[len("mmlu_"):] for p in (harness / "mmlu" / "default").glob("mmlu_*.yaml")}
 
 
-def check_data_dir(data_dir: str | os.PathLike, tasks: list[str]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def check_data_dir(data_dir: str | os.PathLike, tasks: list[str],
+                   num_fewshot: int | None = None) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Check that ``data_dir`` holds every file the tasks need, each row with the hub schema's fields.
 
     Args:
         data_dir: the folder given to ``--data-dir``.
         tasks: validated task names.
+        num_fewshot: the run's few-shot override (None: the harness's defaults); the few-shot split
+            must hold at least that many rows (per subject for MMLU).
 
     Returns:
         ``{task: {split: rows}}``.
@@ -129,7 +139,14 @@ def check_data_dir(data_dir: str | os.PathLike, tasks: list[str]) -> dict[str, d
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for task in tasks:
         out[task] = {split: _read_rows(root / task / f"{split}.jsonl", task) for split in DATA_FILES[task]}
+        split, default_k = FEWSHOT[task]
+        k = default_k if num_fewshot is None else num_fewshot
+        n = len(out[task][split])
+        if task != "mmlu" and n < k:  # the harness samples k distinct examples from this split
+            raise EvalError(f"{root / task / f'{split}.jsonl'} has {n} rows, but {k}-shot {task} draws "
+                            f"{k} examples from it")
     if "mmlu" in out:
+        known = _mmlu_subjects(_harness_tasks_dir())
         for split, rows in out["mmlu"].items():
             for i, row in enumerate(rows, 1):
                 choices, answer = row["choices"], row["answer"]
@@ -138,6 +155,11 @@ def check_data_dir(data_dir: str | os.PathLike, tasks: list[str]) -> dict[str, d
                     raise EvalError(f"{root / 'mmlu' / f'{split}.jsonl'} row {i}: 'choices' must be a list of 4 strings")
                 if not (isinstance(answer, int) and 0 <= answer < 4):
                     raise EvalError(f"{root / 'mmlu' / f'{split}.jsonl'} row {i}: 'answer' must be an index 0-3")
+                if row["subject"] not in known:
+                    raise EvalError(
+                        f"{root / 'mmlu' / f'{split}.jsonl'} row {i}: unknown MMLU subject {row['subject']!r} "
+                        f"(the harness has 57, e.g. {', '.join(sorted(known)[:3])})"
+                    )
     return out
 
 
@@ -153,18 +175,20 @@ def _quoted(path: Path) -> str:
     return json.dumps(str(path))[1:-1]
 
 
-def write_local_tasks(data_dir: str | os.PathLike, tasks: list[str], workdir: str | os.PathLike) -> Path:
+def write_local_tasks(data_dir: str | os.PathLike, tasks: list[str], workdir: str | os.PathLike,
+                      num_fewshot: int | None = None) -> Path:
     """Write the per-run task YAMLs (harness YAML + local data source) for ``tasks`` into ``workdir``.
 
     Args:
         data_dir: folder laid out as ``DIR/<task>/<split>.jsonl`` (checked here first).
         tasks: validated task names.
         workdir: an empty folder; it becomes the ``TaskManager`` include path.
+        num_fewshot: the run's few-shot override, for the size checks (see :func:`check_data_dir`).
 
     Returns:
         the include folder (``workdir/tasks``).
     """
-    rows = check_data_dir(data_dir, tasks)
+    rows = check_data_dir(data_dir, tasks, num_fewshot)
     harness = _harness_tasks_dir()
     root = Path(data_dir).resolve()
     out = Path(workdir) / "tasks"
@@ -176,22 +200,18 @@ def write_local_tasks(data_dir: str | os.PathLike, tasks: list[str], workdir: st
             _fill(_TASKS_DIR / f"{task}.yaml", LM_EVAL_TASKS=_quoted(harness), DATA_DIR=_quoted(root))
         )
     if "mmlu" in tasks:
-        known = _mmlu_subjects(harness)
         by_subject: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: {"dev": [], "test": []})
         for split in ("dev", "test"):
             for row in rows["mmlu"][split]:
-                if row["subject"] not in known:
-                    raise EvalError(
-                        f"{root / 'mmlu' / f'{split}.jsonl'}: unknown MMLU subject {row['subject']!r} "
-                        f"(the harness has 57, e.g. {', '.join(sorted(known)[:3])})"
-                    )
                 by_subject[row["subject"]][split].append(row)
         subjects = sorted(s for s, r in by_subject.items() if r["test"])
         for subject in subjects:
-            if not by_subject[subject]["dev"]:
+            n_dev = len(by_subject[subject]["dev"])
+            if n_dev < max(1, num_fewshot or 0):  # only subjects under test need dev rows
                 raise EvalError(
-                    f"{root / 'mmlu' / 'dev.jsonl'} has no row for subject {subject!r}, which the test "
-                    "split has (MMLU's few-shot examples come from the same subject's dev rows)"
+                    f"{root / 'mmlu' / 'dev.jsonl'} has {n_dev} row(s) for subject {subject!r}, which the test "
+                    f"split has; MMLU's few-shot examples come from the same subject's dev rows "
+                    f"(need >= {max(1, num_fewshot or 0)})"
                 )
             sub_dir = Path(workdir) / "data" / "mmlu" / subject
             sub_dir.mkdir(parents=True, exist_ok=True)
@@ -375,29 +395,32 @@ def evaluate(
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
     task_names = parse_tasks(tasks)
-    if data_dir is not None:
-        check_data_dir(data_dir, task_names)  # fail before the slow model load
+    if gsm8k_filter not in GSM8K_FILTERS:
+        raise EvalError(f"gsm8k_filter must be one of {', '.join(GSM8K_FILTERS)}, got {gsm8k_filter!r}")
     if adapter is not None:
         _read_adapter_config(adapter)
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm_model, tokenizer = load_model(model, precision, adapter, device)
-
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable
-
-    lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size)
     gen_kwargs = {"max_gen_toks": max_gen_toks} if max_gen_toks is not None else None
     with tempfile.TemporaryDirectory(prefix="gnmr_hf_eval_") as work:
-        if data_dir is not None:
-            include = write_local_tasks(data_dir, task_names, work)
+        # data first: a bad data folder should fail before the slow model load
+        include = write_local_tasks(data_dir, task_names, work, num_fewshot) if data_dir is not None else None
+        lm_model, tokenizer = load_model(model, precision, adapter, device)
+
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+
+        if include is not None:
             # our folder only: the local tasks keep the harness's names and indexing stays fast
             manager = TaskManager(include_path=str(include), include_defaults=False)
         else:
             manager = TaskManager()
+        # softmax_dtype: with a BF16 model the harness would take log-softmax and sum log-likelihoods in
+        # BF16 (8 mantissa bits: a 2-page WikiText sum of -4608 moves in steps of 32), which hides
+        # perplexity differences of the size Table 7 reports; FP32 keeps them.
+        lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
         results = simple_evaluate(
             model=lm,
             tasks=task_names,
@@ -417,6 +440,8 @@ def evaluate(
     )
     results["summary"] = summary
     if output is not None:
+        from lm_eval.utils import handle_non_serializable
+
         out = Path(output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
@@ -452,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", default="1", help="batch size (an int or 'auto')")
     p.add_argument("--num-fewshot", type=int, help="override the harness's few-shot counts")
     p.add_argument("--max-gen-toks", type=_positive_int, help="cap GSM8K generation (harness default 256)")
-    p.add_argument("--gsm8k-filter", default="strict-match", choices=("strict-match", "flexible-extract"),
+    p.add_argument("--gsm8k-filter", default="strict-match", choices=GSM8K_FILTERS,
                    help="filter for the summary's GSM8K EM (both are in the results)")
     p.add_argument("--name", help="method name for the summary row")
     p.add_argument("--output", help="write the results JSON here")
