@@ -358,6 +358,8 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     trainer.train(resume_from_checkpoint=True if has_ckpt else None)
     wall = time.perf_counter() - t0
     final = trainer.evaluate()
+    if tr.get("save_final", True):
+        trainer.save_model(str(out / "final"))  # for diagnostics (bench/stress_grad_error.py)
     final_loss = float(final["eval_loss"])
     times = metrics.step_times[1:] or metrics.step_times  # the first step includes warm-up costs
     result = {
