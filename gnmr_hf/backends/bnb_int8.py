@@ -108,7 +108,9 @@ class CheckpointIndex:
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Read one tensor into (pageable) CPU memory, cast to ``dtype``."""
         with safe_open(self.file_of[key], framework="pt", device="cpu") as f:
-            return f.get_tensor(key).to(dtype)
+            # copy=True: get_tensor may return a view of the memory-mapped file, which would leave the
+            # bytes in the page cache instead of process memory
+            return f.get_tensor(key).to(dtype, copy=True)
 
     def read_many(self, keys: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Read several tensors, opening each file once."""
@@ -119,7 +121,7 @@ class CheckpointIndex:
         for path, ks in by_file.items():
             with safe_open(path, framework="pt", device="cpu") as f:
                 for k in ks:
-                    out[k] = f.get_tensor(k).to(dtype)
+                    out[k] = f.get_tensor(k).to(dtype, copy=True)
         return out
 
 

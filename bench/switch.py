@@ -1,0 +1,104 @@
+"""Time to promote / demote one decoder layer of the INT8/BF16 dual path, and peak recovery bytes.
+
+Run on a CPU machine (SmolLM2-135M-Instruct by default) or a CUDA machine (the model is placed on
+GPU 0; promotion copies go through the side stream, and the script reports both the time the call
+takes and the time until the copy has landed, with ``torch.cuda.synchronize``, plus device memory)::
+
+    python bench/switch.py                       # SmolLM2, all storages, layer 15, 20 repetitions
+    python bench/switch.py --model /path/to/ckpt --storage host --reps 50
+
+Figures are printed, never asserted; a shared machine makes them noisy (medians are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import gnmr_hf
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--storage", nargs="+", default=["host", "device", "disk"])
+    p.add_argument("--layer", type=int, default=15)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is available")
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = args.model or str(gnmr_hf.smollm2_checkpoint())
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype=torch.bfloat16,
+        **({"device_map": {"": 0}} if device.type == "cuda" else {}),
+    ).eval()
+    load_s = time.perf_counter() - t0
+    n_layers = len(gnmr_hf.find_decoder_layers(model))
+    print(f"model {path}: {n_layers} decoder layers, INT8 load {load_s:.1f} s, device {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, layer {args.layer}, {args.reps} reps")
+    header = (f"{'storage':8} {'prepare s':>9} {'promote ms':>10} {'ready ms':>9} {'demote ms':>9} "
+              f"{'layer MiB':>9} {'peak rec MiB':>12}")
+    if device.type == "cuda":
+        header += f" {'dev alloc +MiB':>14}"
+    print(header)
+    ids = torch.randint(0, 100, (1, 8), device=device)
+    for storage in args.storage:
+        _sync(device)
+        t0 = time.perf_counter()
+        gnmr_hf.prepare_dual_path(model, path, storage=storage)
+        prep_s = time.perf_counter() - t0
+        gnmr_hf.set_active_units(model, [])
+        with torch.no_grad():
+            model(ids)  # warm up both paths (allocator, kernels) before timing
+            gnmr_hf.set_active_units(model, [args.layer])
+            model(ids)
+            gnmr_hf.set_active_units(model, [])
+        _sync(device)
+        promote, ready, demote, peak, alloc = [], [], [], 0, 0
+        for _ in range(args.reps):
+            base_alloc = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            t0 = time.perf_counter()
+            gnmr_hf.set_active_units(model, [args.layer])
+            t1 = time.perf_counter()
+            _sync(device)  # the copy has landed: what a forward waiting on the event would see
+            t2 = time.perf_counter()
+            peak = max(peak, gnmr_hf.recovery_device_bytes(model))
+            if device.type == "cuda":
+                alloc = max(alloc, torch.cuda.memory_allocated(device) - base_alloc)
+            t3 = time.perf_counter()
+            gnmr_hf.set_active_units(model, [])
+            _sync(device)
+            t4 = time.perf_counter()
+            promote.append(t1 - t0)
+            ready.append(t2 - t0)
+            demote.append(t4 - t3)
+        layer_bytes = sum(
+            m.recovery_device_bytes() if storage == "device" else 2 * m.in_features * m.out_features
+            for m in gnmr_hf.find_decoder_layers(model)[args.layer][1].modules()
+            if hasattr(m, "recovery_key")
+        )
+        row = (f"{storage:8} {prep_s:9.2f} {1e3 * statistics.median(promote):10.2f} "
+               f"{1e3 * statistics.median(ready):9.2f} {1e3 * statistics.median(demote):9.2f} "
+               f"{layer_bytes / 2**20:9.2f} {peak / 2**20:12.2f}")
+        if device.type == "cuda":
+            row += f" {alloc / 2**20:14.2f}"
+        print(row)
+    print("promote = the set_active_units call; ready = until the copy is complete (GPU: synchronize); "
+          "peak rec = max recovery_device_bytes over the repetitions (\"device\": all layers resident)")
+
+
+if __name__ == "__main__":
+    main()
