@@ -222,10 +222,12 @@ class GNMRController:
         # running sum / count of the finite norms: the historical mean needs nothing more
         self._norm_sum = torch.zeros(U, dtype=torch.float64)
         self._norm_count = torch.zeros(U, dtype=torch.long)
-        # [U, W] last finite GNMR values per unit, oldest first, zero-padded on the left. Units skip
-        # their non-finite steps independently, so each row shifts only when that unit gets a value.
-        # The left zeros and the sequential cumsum make the window sum add the values oldest-first.
-        self._gnmr_window = torch.zeros(U, W, dtype=torch.float64)
+        # The last finite GNMR values per unit as W rows of shape [U], oldest first, zero-padded on
+        # the old side. A Python list of rows makes the usual shift (every unit got a finite GNMR) a
+        # list rotation with no tensor work, and keeps every op at [U] (no intra-op threading).
+        # Units skip their non-finite steps independently; then only those keep their old column.
+        # The window sum adds the rows oldest-first (the padding zeros add exactly).
+        self._gnmr_window = [torch.zeros(U, dtype=torch.float64) for _ in range(W)]
         self._gnmr_count = torch.zeros(U, dtype=torch.long)  # finite GNMR values ever pushed
         self._locks = torch.zeros(U, dtype=torch.long)
         # run totals (Python ints)
@@ -255,7 +257,9 @@ class GNMRController:
             )
         if norms.dtype.is_complex or norms.dtype == torch.bool:
             raise ValueError(f"norms must be real numbers, got dtype {norms.dtype}")
-        return norms.detach().to(device="cpu", dtype=torch.float64)
+        # + 0.0 turns -0.0 into +0.0, so no signed zero reaches the histories (a window of -0.0
+        # values would otherwise divide into -inf)
+        return norms.detach().to(device="cpu", dtype=torch.float64) + self._const["zero"]
 
     def step(self, norms: torch.Tensor) -> torch.Tensor:
         """Take step t's per-unit gradient norms and return the mask for step t + 1.
@@ -288,16 +292,23 @@ class GNMRController:
         # k = 0 and 0/0. cumsum adds the row oldest-first (the left zeros add exactly), so the window
         # sum has a fixed, documented rounding order.
         k = self._gnmr_count.clamp(max=cfg.window)
-        delta = gnmr / (self._gnmr_window.cumsum(1)[:, -1] / k)
+        rows = self._gnmr_window
+        wsum = rows[0]
+        for row in rows[1:]:  # over the window (W rows), not over units
+            wsum = wsum + row
+        delta = gnmr / (wsum / k)
         delta.masked_fill_(delta != delta, c["one"]).masked_fill_(nonfinite, c["nan"])
 
         risk = torch.maximum(gnmr / alpha, delta / beta).masked_fill_(nonfinite, c["inf"])
         risky = risk >= c["one"]
         cand = (risky | self._locks.bool()) & self.recoverable
-        # one reduction for the counts (taken before any state changes, so a bad input leaves the
-        # controller untouched)
-        over_gnmr, over_delta, n_nonfinite, n_cand, n_negative = (
-            torch.stack((gnmr >= alpha, delta >= beta, nonfinite, cand, n < c["zero"])).sum(1).tolist()
+        push = gnmr < c["inf"]  # GNMR >= 0 here; NaN and +inf stay out of the window
+        # the counts, taken before any state changes so that a bad input leaves the controller
+        # untouched; one count_nonzero per [U] mask (a stacked [6, U] sum costs no fewer ops and,
+        # past torch's parallel grain, hands work to a thread pool that stalls on a busy machine)
+        masks = (gnmr >= alpha, delta >= beta, nonfinite, cand, push, n < c["zero"])
+        over_gnmr, over_delta, n_nonfinite, n_cand, n_push, n_negative = (
+            torch.stack([m.count_nonzero() for m in masks]).tolist()
         )
         if n_negative:
             raise ValueError(f"norms must be >= 0 (they are L2 norms); got {n_negative} negative value(s)")
@@ -314,7 +325,7 @@ class GNMRController:
             cut = key.topk(K).values[-1]
             above = key > cut
             tied = key == cut
-            selected = above | (tied & (tied.cumsum(0) <= K - above.sum()))
+            selected = above | (tied & (tied.cumsum(0) <= K - above.count_nonzero()))
         n_selected = min(n_cand, K)
 
         # locks, from the budgeted selection even during the warm-up
@@ -324,16 +335,17 @@ class GNMRController:
         # histories: only finite norms, only finite GNMR values
         self._norm_sum += n.masked_fill(nonfinite, c["zero"])
         self._norm_count += ~nonfinite
-        push = gnmr < c["inf"]  # GNMR >= 0 here; NaN and +inf stay out of the window
-        shifted = torch.cat((self._gnmr_window[:, 1:], gnmr.unsqueeze(1)), dim=1)
-        self._gnmr_window = torch.where(push.unsqueeze(1), shifted, self._gnmr_window)
+        shifted = rows[1:] + [gnmr]
+        if n_push < self.num_units:  # rare: some unit had a non-finite norm or an infinite GNMR
+            shifted = [torch.where(push, new_row, old_row) for new_row, old_row in zip(shifted, rows)]
+        self._gnmr_window = shifted
         self._gnmr_count += push
 
         warmup = t + 1 <= cfg.full_recovery_steps
         new = self.recoverable.clone() if warmup else selected
         old = self.active
         n_new = self._num_recoverable if warmup else n_selected
-        n_switch = int((new ^ old).sum())
+        n_switch = int((new ^ old).count_nonzero())
         n_old = self._n_active
         # |new| - |old| = promotions - demotions and |new ^ old| = promotions + demotions
         n_prom = (n_switch + n_new - n_old) // 2
@@ -443,7 +455,7 @@ class GNMRController:
             "locks": self._locks.tolist(),
             "norm_sum": self._norm_sum.tolist(),
             "norm_count": self._norm_count.tolist(),
-            "gnmr_window": self._gnmr_window.tolist(),
+            "gnmr_window": torch.stack(self._gnmr_window, dim=1).tolist(),  # [U][W], oldest first
             "gnmr_count": self._gnmr_count.tolist(),
             "totals": dict(self._totals),
         }
@@ -487,7 +499,7 @@ class GNMRController:
         self._locks = torch.tensor(state["locks"], dtype=torch.long)
         self._norm_sum = torch.tensor(state["norm_sum"], dtype=torch.float64)
         self._norm_count = torch.tensor(state["norm_count"], dtype=torch.long)
-        self._gnmr_window = window
+        self._gnmr_window = [row.clone() for row in window.T]
         self._gnmr_count = torch.tensor(state["gnmr_count"], dtype=torch.long)
         self._totals = {key: int(state["totals"][key]) for key in _TOTAL_KEYS}
         self._record_tensors = None

@@ -41,6 +41,7 @@ class Reference:
         else:
             alpha, beta = cfg.alpha, cfg.beta
         g, d, r = [], [], []
+        norms = [x + 0.0 for x in norms]  # -0.0 is the norm 0 (the controller reports it as +0.0)
         for b in range(self.U):
             x = norms[b]
             if not math.isfinite(x):
@@ -109,7 +110,7 @@ def bits(values: list[float]) -> list[str]:
 
 # norms: exact repeats (ties, equal histories), zeros, NaN/Inf and arbitrary magnitudes
 norm_values = st.one_of(
-    st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]),
+    st.sampled_from([0.0, -0.0, 0.5, 1.0, 2.0, 3.0]),
     st.sampled_from([math.nan, math.inf]),
     st.floats(min_value=0.0, max_value=1e3, allow_nan=False, allow_infinity=False),
 )
