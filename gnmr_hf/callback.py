@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import uuid
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -244,8 +245,10 @@ class GNMRCallback(TrainerCallback, ExportableState):
         norm with ``max_grad_norm > 0`` the Trainer would have zeroed the finite gradients instead.
     """
 
-    # the last instance built by user code, so that a copy rebuilt by the Trainer from the JSON-safe
-    # ``state()["args"]`` can take the arguments that are not JSON-safe (a units callable, a policy)
+    # instances built by user code, so that a copy rebuilt by the Trainer from the JSON-safe
+    # ``state()["args"]`` can take the arguments that are not JSON-safe (a units callable, a policy):
+    # the same instance when it is alive in this process, else the last one built (a new process)
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
     _last_user_instance: weakref.ReferenceType | None = None
 
     def __init__(
@@ -256,12 +259,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
         init_fraction: float | None = None,
         trace: bool | str = True,
         check_ranks: bool = True,
-        _take_unsafe_args_from_live: bool = False,
+        _take_unsafe_args_from_live: bool | str = False,
     ):
         from gnmr_hf.controller import GNMRConfig
 
+        self._token = uuid.uuid4().hex
         if _take_unsafe_args_from_live:
-            live = GNMRCallback._last_user_instance() if GNMRCallback._last_user_instance else None
+            live = GNMRCallback._live.get(_take_unsafe_args_from_live) if isinstance(_take_unsafe_args_from_live, str) else None
+            if live is None and GNMRCallback._last_user_instance is not None:
+                live = GNMRCallback._last_user_instance()
             if live is None:
                 raise RuntimeError(
                     "GNMRCallback is being rebuilt from a checkpoint whose units or policy are not JSON-safe, "
@@ -269,8 +275,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 )
             units = live.units if units is None else units
             policy = live.policy if policy is None else policy
+            if isinstance(_take_unsafe_args_from_live, str):
+                self._token = _take_unsafe_args_from_live  # a later checkpoint of this copy finds it again
         else:
             GNMRCallback._last_user_instance = weakref.ref(self)
+        GNMRCallback._live[self._token] = self
 
         if policy is not None and config is not None:
             raise ValueError("GNMRCallback: pass either config (for GNMRController) or policy, not both")
@@ -338,7 +347,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             "check_ranks": self.check_ranks,
         }
         if unsafe:
-            args["_take_unsafe_args_from_live"] = True
+            args["_take_unsafe_args_from_live"] = self._token
         return {"args": args, "attributes": {"_resume_state": self._export_run_state()}}
 
     def _export_run_state(self) -> dict | None:
@@ -511,8 +520,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             return
         step = state.global_step + 1
         if getattr(self.controller, "needs_microbatch_norms", False):
-            self._observe_microbatch()
-            self._micro_snapshot = None
+            self._observe_microbatch(last=True)
 
         sq = self._params.sq_norms(self._params.grads())
         if sq is None:
@@ -553,7 +561,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self._warned_clipped = True
             warnings.warn("GNMRCallback: gradients were clipped before the callback saw them; norms are post-clip", stacklevel=2)
 
-    def _observe_microbatch(self) -> None:
+    def _observe_microbatch(self, last: bool = False) -> None:
         grads = self._params.grads()
         if self._micro_snapshot is None:
             added = grads
@@ -565,7 +573,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if sq is None:
             sq = torch.zeros(self._params.num_units, dtype=torch.float64)
         self.controller.observe_microbatch(sq.cpu())
-        self._micro_snapshot = [None if g is None else g.detach().clone() for g in grads]
+        # the next window starts from zeroed gradients
+        self._micro_snapshot = None if last else [None if g is None else g.detach().clone() for g in grads]
 
     def _mask_to_indices(self, mask: Any) -> list[int]:
         mask = torch.as_tensor(mask)
@@ -592,7 +601,10 @@ class GNMRCallback(TrainerCallback, ExportableState):
         v = torch.zeros(self._params.num_units + 1, dtype=torch.float64)
         v[0] = step
         v[1:][active] = 1.0
-        buf = torch.cat([v, -v]).to(self._comm_device)
+        buf = torch.cat([v, -v])
+        if self._comm_device.type == "cuda":
+            # pinned + non_blocking: a pageable host->device copy would wait for the stream
+            buf = buf.pin_memory().to(self._comm_device, non_blocking=True)
         # MAX of (v, -v) gives max and -min over ranks in one collective
         torch.distributed.all_reduce(buf, op=torch.distributed.ReduceOp.MAX)
         self._pending_check = buf

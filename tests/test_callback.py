@@ -514,16 +514,27 @@ def test_policy_with_microbatch_norms(tiny_llama_dir, tmp_path):
     assert trainer.state.log_history[-1]["gnmr/summary/steps"] == 3
 
 
-def test_policy_from_triggers_module(tiny_llama_dir, tmp_path):
-    """The project's own baseline policies plug in through functools.partial."""
+def test_policy_from_triggers_module_resumes(tiny_llama_dir, tmp_path):
+    """The project's own baseline policies plug in through functools.partial; a policy is not JSON-safe,
+    yet a Trainer that rebuilds the callback from its saved args (restore flag on) resumes it exactly."""
     from gnmr_hf.triggers import RandomPolicy
 
-    trainer = Trainer(model=build(tiny_llama_dir), train_dataset=dataset(), args=targs(tmp_path, max_steps=4),
-                      callbacks=[GNMRCallback(policy=functools.partial(RandomPolicy, max_active=1))])
-    trainer.train()
-    trace = read_trace(tmp_path)
-    assert all(len(r["active"]) == 1 for r in trace)
-    assert [gnmr_hf.active_units(trainer.model)] == [trace[-1]["active"]]
+    factory = functools.partial(RandomPolicy, max_active=1)
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, restore_callback_states_from_checkpoint=True)
+    first = Trainer(model=build(tiny_llama_dir), train_dataset=dataset(), args=targs(tmp_path, **kw),
+                    callbacks=[GNMRCallback(policy=factory)])
+    first.train()
+    straight = read_trace(tmp_path)
+    assert all(len(r["active"]) == 1 for r in straight) and len({r["active"][0] for r in straight}) > 1
+    assert gnmr_hf.active_units(first.model) == straight[-1]["active"]
+
+    user_cb = GNMRCallback(policy=factory)
+    trainer = Trainer(model=build(tiny_llama_dir), train_dataset=dataset(), args=targs(tmp_path, **kw),
+                      callbacks=[user_cb])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    rebuilt = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GNMRCallback)]
+    assert len(rebuilt) == 1 and rebuilt[0] is not user_cb and rebuilt[0].policy is factory
+    assert read_trace(tmp_path) == straight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -576,6 +587,15 @@ def test_init_fraction_and_exportable_args(tiny_llama_dir, tmp_path):
     rebuilt = GNMRCallback(**state["args"])
     assert rebuilt.config == cb.config and rebuilt.init_fraction == 0.25
     assert state["attributes"]["_resume_state"]["controller"]["t"] == 6
+
+    # arguments that are not JSON-safe are taken from the live instance they were saved from
+    units = lambda m: [(f"l{i}", layer) for i, layer in enumerate(layer_modules(m))]  # noqa: E731
+    user = GNMRCallback(units=units, policy=MicroPolicy)
+    other = GNMRCallback(units=lambda m: [], policy=MicroPolicy)  # built later: must not be picked
+    args = user.state()["args"]
+    json.dumps(args)
+    copy = GNMRCallback(**args)
+    assert copy.units is units and copy.policy is MicroPolicy and other.units is not units
 
 
 # ---------------------------------------------------------------------------------------------------------
