@@ -157,10 +157,13 @@ class GNMRController:
             unit indices. Monitored-only units get statistics but are never selected.
 
     Attributes:
+        num_units (`int`): U.
+        config (`GNMRConfig`): the configuration.
         t (`int`): number of steps taken.
         active (`torch.BoolTensor` [U]): the mask in effect for the next step (step t + 1).
         recoverable (`torch.BoolTensor` [U]): units with a recovery path.
         last_record (`dict` or `None`): the per-step record of the last step (see :attr:`last_record`).
+        locks (`torch.LongTensor` [U]): the lock counters L_b (a copy).
     """
 
     def __init__(
@@ -289,8 +292,8 @@ class GNMRController:
         gnmr.masked_fill_(gnmr != gnmr, c["one"]).masked_fill_(nonfinite, c["nan"])
 
         # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
-        # k = 0 and 0/0. cumsum adds the row oldest-first (the left zeros add exactly), so the window
-        # sum has a fixed, documented rounding order.
+        # k = 0 and 0/0. The rows are added oldest-first (the padding zeros add exactly), a fixed
+        # rounding order that a plain sum over a unit's window list reproduces bit for bit.
         k = self._gnmr_count.clamp(max=cfg.window)
         rows = self._gnmr_window
         wsum = rows[0]
