@@ -226,8 +226,12 @@ def hellaswag_rows(n: int, seed: int = 0, split: str = "validation") -> list[dic
         k = r.randint(2, 4)
         head, gold = split_sentence(nxt, k)
         ctx_b = head[:1].lower() + head[1:]  # HellaSwag's ctx_b starts lower case; process_docs capitalises
-        others = r.sample([p for j, p in enumerate(pairs) if j != offset + i], 3)
-        endings = [split_sentence(o[2], min(k, len(o[2].split()) - 2))[1] for o in others]
+        endings: list[str] = []
+        while len(endings) < 3:  # three distinct wrong endings, none equal to the gold one
+            other = pairs[r.randrange(len(pairs))][2]
+            ending = split_sentence(other, min(k, len(other.split()) - 2))[1]
+            if ending != gold and ending not in endings:
+                endings.append(ending)
         label = r.randrange(4)
         endings.insert(label, gold)
         rows.append({
