@@ -8,6 +8,7 @@ Trainer clips), plain Trainer runs without the callback, and an uninterrupted ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -37,13 +38,21 @@ SWITCHY = {"max_active": 2, "lock_steps": 1, "alpha": 1.05, "alpha_init": None, 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@contextlib.contextmanager
+def one_thread():
     # the tiny model is dominated by thread start-up and contention on a shared 2-core machine
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 def dataset(n: int = 64, seq: int = 16, seed: int = 0) -> Dataset:
@@ -117,7 +126,11 @@ def same_floats(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def switching_run(tiny_llama_dir, tmp_path_factory):
-    torch.set_num_threads(1)
+    with one_thread():
+        return _switching_run(tiny_llama_dir, tmp_path_factory)
+
+
+def _switching_run(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("switch")
     model = build(tiny_llama_dir)
     gnmr_hf.set_active_units(model, [0, 1])  # left over from earlier use: train begin must reset it
@@ -304,10 +317,10 @@ def test_gradient_accumulation_same_norms(tiny_llama_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def straight_trace(tiny_llama_dir, tmp_path_factory):
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("straight")
-    Trainer(model=build(tiny_llama_dir), args=targs(out, max_steps=12), train_dataset=dataset(),
-            callbacks=[GNMRCallback(SWITCHY)]).train()
+    with one_thread():
+        Trainer(model=build(tiny_llama_dir), args=targs(out, max_steps=12), train_dataset=dataset(),
+                callbacks=[GNMRCallback(SWITCHY)]).train()
     return read_trace(out)
 
 

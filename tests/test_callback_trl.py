@@ -6,20 +6,17 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 import gnmr_hf
-from tests.test_callback import SWITCHY, build, dataset, read_trace
+from tests.test_callback import SWITCHY, build, dataset, one_thread, read_trace
 
 trl = pytest.importorskip("trl")
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_thread():
+        yield
 
 
 def test_sft_trainer_with_callback(tiny_llama_dir, smollm2_dir, tmp_path):
