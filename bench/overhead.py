@@ -13,7 +13,7 @@ Step time is measured from ``on_step_begin`` to ``on_step_end`` (forward, backwa
 optimizer); the callback's own time inside ``on_pre_optimizer_step`` is measured separately, which
 is the precise figure when the machine's noise is larger than the overhead.
 
-    python bench/overhead.py --rounds 3 --steps 5
+    python bench/overhead.py --rounds 3 --steps 5 --components
 """
 
 from __future__ import annotations
@@ -85,6 +85,35 @@ def build(path: str, int8: bool, seed: int = 0):
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LINEARS))
 
 
+def components(model, batch, reps: int = 20) -> dict[str, float]:
+    """Median milliseconds of the pieces of the callback's per-step work on real gradients of ``model``."""
+    from gnmr_hf.callback import _UnitParams
+    from gnmr_hf.controller import GNMRConfig, GNMRController
+    from gnmr_hf.units import resolve_units
+
+    model(**batch).loss.backward()
+    units = _UnitParams(resolve_units(model))
+    ctrl = GNMRController(units.num_units, GNMRConfig())
+    norms = units.sq_norms(units.grads()).sqrt().cpu()
+
+    def ms(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    return {
+        "fused per-unit norms (+ host copy)": ms(lambda: units.sq_norms(units.grads()).sqrt().cpu()),
+        "controller.step + record": ms(lambda: (ctrl.step(norms), ctrl.last_record)),
+        # what the takeover adds: the Trainer still runs this pass (max_norm=inf multiplies by 1.0) ...
+        "Trainer norm pass, clip_grad_norm_(inf)": ms(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))),
+        # ... and the callback's clip is the one the Trainer would have done anyway
+        "the clip itself, clip_grad_norm_(1.0)": ms(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -94,6 +123,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave as is; 1 avoids oversubscription on a shared machine)")
     ap.add_argument("--arms", default="plain,monitor,int8,gnmr")
     ap.add_argument("--max-active", type=int, default=10)
+    ap.add_argument("--components", action="store_true", help="also time the pieces of the callback's step work")
     a = ap.parse_args()
 
     from datasets import Dataset
@@ -152,6 +182,11 @@ def main() -> None:
             s = runs[arm]["cb"].controller.summary()
             line += f"; promotion ratio {s['promotion_ratio']:.3f}, switches {s['switches']}"
         print(line)
+    if a.components and "monitor" in runs:
+        batch = {"input_ids": torch.tensor(ids[: a.batch_size]), "labels": torch.tensor(ids[: a.batch_size])}
+        print("  monitor-only per-step pieces (median ms):")
+        for name, v in components(runs["monitor"]["trainer"].model, batch).items():
+            print(f"    {name:42s} {v:8.2f} ms = {v / 1e3 / med['monitor'] * 100:.2f}% of the monitor step")
     if "plain" in med and "monitor" in med:
         print(f"  monitor / plain = {med['monitor'] / med['plain']:.4f}")
     if "int8" in med and "gnmr" in med:

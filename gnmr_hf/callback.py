@@ -199,6 +199,10 @@ class GNMRCallback(TrainerCallback, ExportableState):
     checkpoint (``trainer_state.json`` through ``ExportableState``, and ``gnmr_state.json`` in the
     checkpoint folder) and restored on ``resume_from_checkpoint`` whether or not
     ``restore_callback_states_from_checkpoint`` is set; the trace is truncated to the resumed step.
+    (With that flag on, the Trainer replaces this instance by one rebuilt from :meth:`state`: find it in
+    ``trainer.callback_handler.callbacks``. A units callable or a policy, which are not JSON-safe, are
+    taken from the instance the state was saved from when it is alive, else from the last
+    ``GNMRCallback`` built in this process.)
 
     Args:
         config (`GNMRConfig` or `dict`, *optional*): controller configuration (a dict is passed to
