@@ -582,7 +582,8 @@ def test_clear_errors(tiny_llama_dir, tmp_path):
         Trainer(model=NoLayers(), args=targs(tmp_path, max_steps=1), train_dataset=dataset(),
                 callbacks=[GNMRCallback()]).train()
 
-    for field, value, match in (("fsdp", "full_shard", "FSDP"), ("deepspeed", "ds_config.json", "DeepSpeed")):
+    for field, value, match in (("fsdp", "full_shard", "GNMRCallback does not support FSDP"),
+                                ("deepspeed", "ds_config.json", "GNMRCallback does not support DeepSpeed")):
         trainer = Trainer(model=build(tiny_llama_dir, "plain"), args=targs(tmp_path, max_steps=1),
                           train_dataset=dataset(), callbacks=[GNMRCallback()])
         setattr(trainer.args, field, value)  # as a launcher config would have set it
