@@ -132,7 +132,7 @@ def plot_table(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
         values = [r[key] * scale if r[key] is not None and math.isfinite(r[key]) else 0.0 for r in rows]
         bars = ax.bar(range(len(rows)), values, color=[colors[i % len(colors)] for i in range(len(rows))])
         for bar, r, v in zip(bars, rows, values):
-            label = MISSING if r[key] is None else (f"{v:.2f}" if scale != 1.0 else f"{v:.4g}")
+            label = MISSING if r[key] is None else (f"{v:.2f}" if scale != 1.0 else f"{v:.4f}")
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{title}\n({note})", fontsize=10)
         ax.set_xticks(range(len(rows)))
