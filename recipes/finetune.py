@@ -468,8 +468,13 @@ def peak_memory() -> dict[str, Any]:
 # the run
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train one LoRA adapter as ``cfg`` says; returns the run.json record (written on rank 0)."""
+def run(cfg: dict[str, Any], extra_callbacks: list | None = None) -> dict[str, Any]:
+    """Train one LoRA adapter as ``cfg`` says; returns the run.json record (written on rank 0).
+
+    Args:
+        cfg: the config from :func:`load_config`.
+        extra_callbacks: more ``TrainerCallback`` objects (bench/gpu_13b_shape.py times steps with one).
+    """
     import torch
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
 
@@ -493,7 +498,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if args.process_index == 0:
         model.print_trainable_parameters()
 
-    callbacks = []
+    callbacks = list(extra_callbacks or [])
     if cfg["precision"] == "gnmr" or cfg["gnmr_monitor"]:
         import gnmr_hf
 
