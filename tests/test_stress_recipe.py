@@ -44,8 +44,9 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_config_overrides_and_data_split(pretrain):
-    cfg = pretrain.load_config(STRESS / "configs" / "cpu_tiny.yaml", ["train.max_steps=7", "gnmr.alpha=2.5"])
+    cfg = pretrain.load_config(STRESS / "configs" / "cpu_tiny.yaml", ["train.max_steps=7", "gnmr.alpha=2.5", "train.learning_rate=5e-3"])
     assert cfg["train"]["max_steps"] == 7 and cfg["gnmr"]["alpha"] == 2.5
+    assert cfg["train"]["learning_rate"] == 5e-3
     files = pretrain.corpus_files(STRESS / "corpus_sample")
     train, val = pretrain.split_files(files, 5)
     assert len(files) == 5 and len(val) == 1 and not set(train) & set(val)

@@ -61,7 +61,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> dict:
         *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):
+            try:  # YAML 1.1 reads "5e-3" (no dot) as a string
+                parsed = float(parsed)
+            except ValueError:
+                pass
+        node[leaf] = parsed
     return cfg
 
 
