@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-limit", type=float, default=40,
                    help="documents per eval task (per MMLU subject); default 40, 0 = all")
     p.add_argument("--max-gen-toks", type=int, default=128, help="GSM8K generation cap (default 128)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (OMP_NUM_THREADS); 1 is fastest on a machine busy with other jobs")
     p.add_argument("--recipes", default=None, help="the recipes folder (default: found next to the package)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override for every run, e.g. --set per_device_train_batch_size=2")
@@ -191,6 +193,11 @@ def _run(args: argparse.Namespace) -> int:
     recipes = find_recipes(args.recipes)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.threads is not None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the training subprocesses
+        torch.set_num_threads(args.threads)  # the evaluations, which run in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 

@@ -89,7 +89,14 @@ def plot_loss_curves(runs: Mapping[str, str | os.PathLike], out: str | os.PathLi
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for label, run_dir in runs.items():
         steps, losses = read_loss_history(run_dir)
-        ax.plot(steps, losses, marker="o" if len(steps) <= 40 else None, markersize=3, linewidth=1.5, label=label)
+        if len(steps) <= 20:
+            ax.plot(steps, losses, marker="o", markersize=3, linewidth=1.5, label=label)
+            continue
+        # per-step losses of small batches are noisy: faint raw curve, bold moving average over 5 logs
+        (raw,) = ax.plot(steps, losses, linewidth=0.8, alpha=0.3)
+        k = 5
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, linewidth=1.8, color=raw.get_color(), label=f"{label} (mean of last {k})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (answer tokens)")
     ax.set_title(title or "LoRA fine-tuning loss")
