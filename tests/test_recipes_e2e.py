@@ -129,3 +129,33 @@ def test_bench_13b_shape_without_gpu_says_so():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_13b_shape.py")], capture_output=True,
                           text=True, env=_env(), timeout=300)
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "gnmr_hf.cli", "demo", "--out", str(out), "--precisions", "gnmr", "--max-steps", "2",
+           "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1", "--set", "num_generated=16",
+           "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    rows = json.loads((out / "summary.json").read_text())
+    assert [r["run"] for r in rows] == ["base (no fine-tune)", "gnmr"]
+    base, gnmr = rows
+    assert gnmr["steps"] == 2 and gnmr["promotion_ratio"] is not None
+    assert 1 < base["wikitext_word_ppl"] < 1e4 and 1 < gnmr["wikitext_word_ppl"] < 1e4
+    assert base["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]  # the adapter changed the model
+    table = (out / "summary.md").read_text()
+    assert table.startswith("| run | steps | loss first -> last |") and "| gnmr | 2 |" in table
+    for png in ("loss_curves.png", "gnmr_heatmap.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "eval" / "gnmr.json").is_file() and (out / "gnmr" / "gnmr_trace.jsonl").is_file()
+
+    # a second call finds the run and the evaluations complete and redoes neither
+    mtime = (out / "gnmr" / "run.json").stat().st_mtime
+    second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "[demo] gnmr: complete in" in second.stdout and "skipped" in second.stdout
+    assert "[demo] eval gnmr:" in second.stdout and "exists, skipped" in second.stdout
+    assert (out / "gnmr" / "run.json").stat().st_mtime == mtime
+    assert json.loads((out / "summary.json").read_text()) == rows
