@@ -144,12 +144,16 @@ def plot_gnmr_heatmap(trace: str | os.PathLike, out: str | os.PathLike, title: s
     image = ax.imshow(shown, aspect="auto", cmap="coolwarm", norm=norm, interpolation="nearest", extent=extent)
     ys, xs = np.nonzero(np.array(active))
     if ys.size:
-        ax.scatter(np.array(steps)[xs], ys, s=10, c="black", marker="o", label="on the BF16 recovery path")
-        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+        ax.scatter(np.array(steps)[xs], ys, s=10, c="black", marker="o")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("unit (decoder layer)")
-    ax.set_title(title or f"GNMR per unit and step ({ys.size} recovered unit-steps)")
-    fig.colorbar(image, ax=ax, label="GNMR (gradient norm / mean of its history)")
+    # the key to the dots goes in the title: a legend box would hide cells
+    ax.set_title((title or "GNMR per unit and step")
+                 + f"\nblack dot: unit on the BF16 recovery path in that step ({ys.size} unit-steps)", fontsize=10)
+    bar = fig.colorbar(image, ax=ax, label="GNMR (gradient norm / mean of its history)")
+    ticks = [t for t in (0.1, 0.2, 0.5, 0.67, 1.0, 1.5, 2.0, 5.0, 10.0) if 10 ** -span <= t <= 10 ** span]
+    bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+    bar.minorticks_off()
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

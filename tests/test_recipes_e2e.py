@@ -44,7 +44,8 @@ def _launch(accelerate_config: str, recipe: str, out: Path, *extra: str) -> subp
 @pytest.mark.parametrize("precision", ["bf16", "int8", "gnmr"])
 def test_smollm2_recipe_three_steps(precision, tmp_path, smollm2_dir):
     out = tmp_path / precision
-    _launch("cpu.yaml", precision, out)
+    # the bf16 run also carries the callback monitor-only (gnmr_monitor): a trace without any switching
+    _launch("cpu.yaml", precision, out, *(["--gnmr_monitor", "true"] if precision == "bf16" else []))
 
     record = json.loads((out / "run.json").read_text())
     assert RUN_FIELDS <= set(record)
@@ -91,6 +92,11 @@ def test_smollm2_recipe_three_steps(precision, tmp_path, smollm2_dir):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         png = plots.plot_loss_curves({"gnmr": out}, tmp_path / "loss.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    elif precision == "bf16":
+        lines = [json.loads(x) for x in (out / "gnmr_trace.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in lines] == [1, 2, 3] and all(x["active"] == [] for x in lines)
+        assert all(len(x["gnmr"]) == 30 for x in lines) and lines[1]["gnmr"] != [1.0] * 30
+        assert record["gnmr_summary"]["recoverable"] == [False] * 30  # no dual path on a BF16 model
     else:
         assert not (out / "gnmr_trace.jsonl").exists() and record["gnmr_summary"] is None
 
