@@ -128,7 +128,7 @@ def test_report_tables_and_plot(runs, tmp_path):
 def test_resume_from_checkpoint_is_exact(pretrain, runs, tmp_path):
     """Interrupt after step 2 (keep only checkpoint-2) and resume: same final loss and policy summary."""
     cfg = pretrain.load_config(STRESS / "configs" / "cpu_tiny.yaml",
-                               [f"data.cache_dir={tmp_path / 'cache'}", "train.save_steps=2"])
+                               [f"data.cache_dir={tmp_path / 'cache'}", "train.save_steps=2", "train.save_total_limit=2"])
     out = tmp_path / "gsnr"
     pretrain.run(cfg, "gsnr", out)
     import shutil
