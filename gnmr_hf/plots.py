@@ -87,16 +87,18 @@ def plot_loss_curves(runs: Mapping[str, str | os.PathLike], out: str | os.PathLi
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for label, run_dir in runs.items():
+    styles = ["-", "--", ":", "-."]  # curves of matched runs lie on top of each other: tell them apart
+    for i, (label, run_dir) in enumerate(runs.items()):
         steps, losses = read_loss_history(run_dir)
+        style = styles[i % len(styles)]
         if len(steps) <= 20:
-            ax.plot(steps, losses, marker="o", markersize=3, linewidth=1.5, label=label)
+            ax.plot(steps, losses, style, marker="o", markersize=3, linewidth=1.5, label=label)
             continue
         # per-step losses of small batches are noisy: faint raw curve, bold moving average over 5 logs
         (raw,) = ax.plot(steps, losses, linewidth=0.8, alpha=0.3)
         k = 5
         smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
-        ax.plot(steps, smooth, linewidth=1.8, color=raw.get_color(), label=f"{label} (mean of last {k})")
+        ax.plot(steps, smooth, style, linewidth=1.8, color=raw.get_color(), label=f"{label} (mean of last {k})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (answer tokens)")
     ax.set_title(title or "LoRA fine-tuning loss")

@@ -25,7 +25,7 @@ def ft():
 def test_yaml_then_overrides_with_types(ft):
     path = str(RECIPES / "smollm2-135m" / "gnmr.yaml")
     base = ft.load_config(["--config", path])
-    assert base["precision"] == "gnmr" and base["gnmr_max_active"] == 8 and base["max_steps"] == 30
+    assert base["precision"] == "gnmr" and base["gnmr_max_active"] == 8 and base["max_steps"] == 60
     cfg = ft.load_config([
         "--config", path, "--max_steps", "3", "--learning_rate", "1e-4", "--chat_template", "yes",
         "--lora_target_modules", "q_proj,v_proj", "--gnmr_beta_init=2.5", "--output-dir", "/tmp/x",
