@@ -104,12 +104,7 @@ def plot_loss_curves(runs: Mapping[str, str | os.PathLike], out: str | os.PathLi
     ax.set_title(title or "LoRA fine-tuning loss")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_gnmr_heatmap(trace: str | os.PathLike, out: str | os.PathLike, title: str | None = None) -> Path:
@@ -156,6 +151,13 @@ def plot_gnmr_heatmap(trace: str | os.PathLike, out: str | os.PathLike, title: s
     ticks = [t for t in (0.1, 0.2, 0.5, 0.67, 1.0, 1.5, 2.0, 5.0, 10.0) if 10 ** -span <= t <= 10 ** span]
     bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     bar.minorticks_off()
+    return _save(fig, out)
+
+
+def _save(fig, out: str | os.PathLike) -> Path:
+    """Lay out, write and close a figure (the folder is created); return the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
