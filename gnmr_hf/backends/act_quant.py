@@ -148,6 +148,9 @@ class ActQuantLinear(nn.Linear, DualPathModule):
         high_bits: int | None = 8,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_paths(low_bits, high_bits)
+
+    def _init_paths(self, low_bits: int | None, high_bits: int | None) -> None:
         _check_bits("low_bits", low_bits)
         _check_bits("high_bits", high_bits)
         self.low_bits = low_bits
@@ -165,13 +168,7 @@ class ActQuantLinear(nn.Linear, DualPathModule):
         new.out_features = linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        _check_bits("low_bits", low_bits)
-        _check_bits("high_bits", high_bits)
-        new.low_bits = low_bits
-        new.high_bits = high_bits
-        new.recovery = False
-        new.full_precision = False
-        new._stats = {}
+        new._init_paths(low_bits, high_bits)
         return new
 
     @property
