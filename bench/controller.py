@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gnmr_hf.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
 
 
 def make_norms(num_units: int, steps: int, seed: int = 0) -> list[torch.Tensor]:

@@ -51,7 +51,7 @@ def build_checkpoint(folder: Path, layers: int, shape: dict, device: str) -> Pat
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from gnmr_hf.data import arithmetic_problems
+    from gnmr_hf.offline.gsm8k import arithmetic_problems
 
     config = LlamaConfig(num_hidden_layers=layers, bos_token_id=1, eos_token_id=2, pad_token_id=2,
                          tie_word_embeddings=False, **shape)

@@ -54,7 +54,7 @@ class StepTimer:
 
 def timed_gnmr_callback(**kw):
     """A GNMRCallback whose on_pre_optimizer_step time (norms, clip, controller, switching, trace) is recorded."""
-    from gnmr_hf.callback import GNMRCallback
+    from gnmr_hf.trainer.callback import GNMRCallback
 
     class Timed(GNMRCallback):
         hook_times: list[float] = []
@@ -87,8 +87,8 @@ def build(path: str, int8: bool, seed: int = 0):
 
 def components(model, batch, reps: int = 20) -> dict[str, float]:
     """Median milliseconds of the pieces of the callback's per-step work on real gradients of ``model``."""
-    from gnmr_hf.callback import _UnitParams
-    from gnmr_hf.controller import GNMRConfig, GNMRController
+    from gnmr_hf.core.controller import GNMRConfig, GNMRController
+    from gnmr_hf.trainer.callback import _UnitParams
     from gnmr_hf.units import resolve_units
 
     model(**batch).loss.backward()

@@ -3,12 +3,12 @@
 
     python eval/report.py bf16.json int8.json gnmr.json [--names BF16 "Fixed INT8" GNMR] [--plot t7.png]
 
-The logic lives in :mod:`gnmr_hf.report`.
+The logic lives in :mod:`gnmr_hf.reporting.report`.
 """
 
 import sys
 
-from gnmr_hf.report import main
+from gnmr_hf.reporting.report import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -13,31 +13,31 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
-    "GNMRConfig": "gnmr_hf.controller",
-    "GNMRController": "gnmr_hf.controller",
-    "GNMRCallback": "gnmr_hf.callback",
-    "prepare_dual_path": "gnmr_hf.dual_path",
-    "set_active_units": "gnmr_hf.dual_path",
-    "active_units": "gnmr_hf.dual_path",
-    "recoverable_units": "gnmr_hf.dual_path",
-    "recovery_device_bytes": "gnmr_hf.dual_path",
+    "GNMRConfig": "gnmr_hf.core.controller",
+    "GNMRController": "gnmr_hf.core.controller",
+    "GNMRCallback": "gnmr_hf.trainer.callback",
+    "prepare_dual_path": "gnmr_hf.backends.dispatch",
+    "set_active_units": "gnmr_hf.backends.base",
+    "active_units": "gnmr_hf.backends.base",
+    "recoverable_units": "gnmr_hf.backends.base",
+    "recovery_device_bytes": "gnmr_hf.backends.base",
     "find_decoder_layers": "gnmr_hf.units",
-    "smollm2_checkpoint": "gnmr_hf.smollm2",
+    "smollm2_checkpoint": "gnmr_hf.offline.smollm2",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gnmr_hf.callback import GNMRCallback
-    from gnmr_hf.controller import GNMRConfig, GNMRController
-    from gnmr_hf.dual_path import (
+    from gnmr_hf.backends.base import (
         active_units,
-        prepare_dual_path,
         recoverable_units,
         recovery_device_bytes,
         set_active_units,
     )
-    from gnmr_hf.smollm2 import smollm2_checkpoint
+    from gnmr_hf.backends.dispatch import prepare_dual_path
+    from gnmr_hf.core.controller import GNMRConfig, GNMRController
+    from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+    from gnmr_hf.trainer.callback import GNMRCallback
     from gnmr_hf.units import find_decoder_layers
 
 

@@ -11,8 +11,8 @@ import sys
 
 _COMMANDS = {
     "demo": ("gnmr_hf.demo", "run the three SmolLM2 recipes (bf16, int8, gnmr), evaluate them, compare"),
-    "eval": ("gnmr_hf.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
-    "report": ("gnmr_hf.report", "print the paper's Table 7 layout for several eval result files"),
+    "eval": ("gnmr_hf.evaluation.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
+    "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),
 }
 
 

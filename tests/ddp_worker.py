@@ -19,8 +19,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback, TrainingArguments
 
 import gnmr_hf
-from gnmr_hf.callback import GNMRCallback
-from gnmr_hf.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
+from gnmr_hf.trainer.callback import GNMRCallback
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SWITCHY = {"max_active": 2, "lock_steps": 1, "alpha": 1.05, "alpha_init": None, "beta": 1.05, "window": 3}

@@ -15,7 +15,7 @@ from gnmr_hf.backends.act_quant import (
     saved_activation_bytes,
     set_full_precision,
 )
-from gnmr_hf.dual_path import DualPathModule, active_units, recoverable_units, set_active_units
+from gnmr_hf.backends.base import DualPathModule, active_units, recoverable_units, set_active_units
 
 
 @pytest.mark.parametrize("bits, qmax", [(4, 7), (8, 127)])

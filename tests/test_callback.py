@@ -28,8 +28,8 @@ transformers = pytest.importorskip("transformers")
 from datasets import Dataset  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from gnmr_hf.callback import GNMRCallback  # noqa: E402
-from gnmr_hf.controller import GNMRConfig, GNMRController  # noqa: E402
+from gnmr_hf.core.controller import GNMRConfig, GNMRController  # noqa: E402
+from gnmr_hf.trainer.callback import GNMRCallback  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_LAYERS = 4
@@ -530,7 +530,7 @@ def test_policy_with_microbatch_norms(tiny_llama_dir, tmp_path):
 def test_policy_from_triggers_module_resumes(tiny_llama_dir, tmp_path):
     """The project's own baseline policies plug in through functools.partial; a policy is not JSON-safe,
     yet a Trainer that rebuilds the callback from its saved args (restore flag on) resumes it exactly."""
-    from gnmr_hf.triggers import RandomPolicy
+    from gnmr_hf.core.policies import RandomPolicy
 
     factory = functools.partial(RandomPolicy, max_active=1)
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2, restore_callback_states_from_checkpoint=True)

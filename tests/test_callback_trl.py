@@ -22,7 +22,7 @@ def _one_thread():
 def test_sft_trainer_with_callback(tiny_llama_dir, smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from gnmr_hf.callback import GNMRCallback
+    from gnmr_hf.trainer.callback import GNMRCallback
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)  # only its pad id is used: the data is pre-tokenised
     model = build(tiny_llama_dir)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from gnmr_hf.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
 
 NAN = math.nan
 INF = math.inf
@@ -464,7 +464,7 @@ def test_any_float_dtype_and_a_copy_is_returned(dtype):
 
 def test_controller_module_imports_no_heavy_dependency():
     code = (
-        "import sys, gnmr_hf.controller\n"
+        "import sys, gnmr_hf.core.controller\n"
         "bad = [m for m in ('transformers', 'peft', 'bitsandbytes', 'lm_eval') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

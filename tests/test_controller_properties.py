@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gnmr_hf.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
 
 
 class Reference:

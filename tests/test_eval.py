@@ -176,7 +176,7 @@ def adapters(tmp_path_factory, bigram_dir) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def tiny_results(bigram_dir, data_dir, tmp_path_factory) -> dict:
-    from gnmr_hf.evaluate import evaluate
+    from gnmr_hf.evaluation.evaluate import evaluate
 
     out = tmp_path_factory.mktemp("tiny_out") / "tiny.json"
     return evaluate(str(bigram_dir), "gsm8k,mmlu,hellaswag,wikitext", data_dir=data_dir, device="cpu",
@@ -186,7 +186,7 @@ def tiny_results(bigram_dir, data_dir, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def tiny_wikitext_ppl(bigram_dir, data_dir, adapters) -> dict[str, float]:
     """WikiText word perplexity of the tiny model without and with each adapter, BF16 and INT8."""
-    from gnmr_hf.evaluate import evaluate
+    from gnmr_hf.evaluation.evaluate import evaluate
 
     a1, a2 = adapters
     runs = {"bf16": (None, "bf16"), "bf16+a1": (a1, "bf16"), "bf16+a2": (a2, "bf16"), "int8+a1": (a1, "int8")}
@@ -277,7 +277,7 @@ def test_wikitext_word_perplexity_from_logged_loglikelihoods(tiny_results):
 
 
 def test_summary_row_and_output_file(tiny_results):
-    from gnmr_hf.report import summary_from_results
+    from gnmr_hf.reporting.report import summary_from_results
 
     s = tiny_results["summary"]
     assert s["method"] == "tiny bigram"
@@ -305,7 +305,7 @@ def test_int8_base_is_close_to_bf16_but_not_identical(tiny_wikitext_ppl):
 def test_int8_loading_uses_bitsandbytes(bigram_dir, adapters):
     import bitsandbytes as bnb
 
-    from gnmr_hf.evaluate import load_model
+    from gnmr_hf.evaluation.evaluate import load_model
 
     model, _ = load_model(str(bigram_dir), "int8", adapters[0], "cpu")
     layer = model.base_model.model.model.layers[0]
@@ -343,7 +343,7 @@ def test_smollm2_exact_match_matches_the_answer_line(smollm2_run):
 
 
 def test_smollm2_perplexity_changes_with_the_adapter(smollm2_dir, smollm2_run, data_dir, tmp_path):
-    from gnmr_hf.evaluate import evaluate
+    from gnmr_hf.evaluation.evaluate import evaluate
 
     _, base, _ = smollm2_run
     adapter = make_lora_adapter(smollm2_dir, tmp_path / "smol_lora", seed=3, target_modules=("q_proj", "v_proj"))
@@ -369,7 +369,7 @@ def test_report_script_on_real_results(smollm2_run, tiny_results, tmp_path):
 
 # ------------------------------------------------------------------------------------ clear errors
 def _run_cli(capsys, args: list[str]) -> tuple[int, str]:
-    from gnmr_hf.evaluate import main
+    from gnmr_hf.evaluation.evaluate import main
 
     rc = main(args)
     err = capsys.readouterr().err

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gnmr_hf.data import write_gsm8k_jsonl
-from gnmr_hf.eval_data import MMLU_SUBJECTS, write_eval_data
-from gnmr_hf.evaluate import DATA_FILES, check_data_dir
+from gnmr_hf.evaluation.evaluate import DATA_FILES, check_data_dir
+from gnmr_hf.offline.eval_data import MMLU_SUBJECTS, write_eval_data
+from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
 
 
 def _rows(path: Path) -> list[dict]:

@@ -102,7 +102,7 @@ def test_no_decoder_layers_is_a_clear_error():
 
 
 def test_set_active_units_checks_indices_and_recovery_paths():
-    from gnmr_hf.dual_path import DualPathModule, active_units, recovery_device_bytes, set_active_units
+    from gnmr_hf.backends.base import DualPathModule, active_units, recovery_device_bytes, set_active_units
 
     class Toy(nn.Linear, DualPathModule):
         def set_recovery(self, on: bool) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gnmr_hf.report import format_table, main, summary_from_results
+from gnmr_hf.reporting.report import format_table, main, summary_from_results
 
 
 def _results(em_strict: float, em_flex: float, mmlu: float, hs: float, hs_norm: float, ppl: float,

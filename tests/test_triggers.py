@@ -1,4 +1,4 @@
-"""Trigger policies (gnmr_hf.triggers): budget, static warm-up, GSNR by hand, seeded random, state."""
+"""Trigger policies (gnmr_hf.core.policies): budget, static warm-up, GSNR by hand, seeded random, state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from gnmr_hf.controller import GNMRConfig, GNMRController
-from gnmr_hf.triggers import (
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.policies import (
     POLICIES,
     GSNRPolicy,
     RandomPolicy,

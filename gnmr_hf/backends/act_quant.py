@@ -12,7 +12,7 @@ de-quantised ``x``. The input gradient ``grad_x = grad_out @ W`` does not need `
 
 Units are the projection *operators* (7 per LLaMA decoder layer: q, k, v, o, gate, up, down), so the
 controller runs at operator level; embeddings, norms and the LM head stay outside its action space.
-The modules subclass :class:`gnmr_hf.dual_path.DualPathModule`, so :func:`gnmr_hf.set_active_units`
+The modules subclass :class:`gnmr_hf.backends.base.DualPathModule`, so :func:`gnmr_hf.set_active_units`
 and the callback drive them exactly as they drive the INT8/BF16 backend.
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gnmr_hf.dual_path import DualPathModule
+from gnmr_hf.backends.base import DualPathModule
 from gnmr_hf.units import Unit, find_decoder_layers
 
 # LLaMA-family projection names, in the fixed order the operator units are listed within a layer

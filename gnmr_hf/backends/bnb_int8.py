@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnmr_hf._import_utils import require
-from gnmr_hf.dual_path import DualPathModule
+from gnmr_hf.backends.base import DualPathModule
 from gnmr_hf.units import UnitSpec, resolve_units
 
 require("bitsandbytes", "The INT8/BF16 dual path")

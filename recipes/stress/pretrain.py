@@ -207,8 +207,8 @@ def apply_method(model, method: str, cfg: dict):
 
 
 def build_policy(method: str, cfg: dict, num_units: int, max_steps: int, max_active: int | None = None):
-    from gnmr_hf.controller import GNMRConfig
-    from gnmr_hf.triggers import make_policy
+    from gnmr_hf.core.controller import GNMRConfig
+    from gnmr_hf.core.policies import make_policy
 
     g = dict(cfg["gnmr"])
     if max_active is not None:
@@ -248,7 +248,7 @@ class _Callbacks:
     @staticmethod
     def metrics(model, units, out_path: Path, policy=None):
         from gnmr_hf.backends.act_quant import saved_activation_bytes
-        from gnmr_hf.dual_path import active_units
+        from gnmr_hf.backends.base import active_units
 
         class StressMetrics(_trainer_callback_base()):
             """Per-step wall time, loss, saved-activation bytes, active units and eval loss to JSONL."""
@@ -314,7 +314,7 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     units = apply_method(model, method, cfg)
     max_steps = tr["max_steps"]
 
-    from gnmr_hf.callback import GNMRCallback
+    from gnmr_hf.trainer.callback import GNMRCallback
 
     # every trigger, the controller included, goes through the same policy slot and actuator. The fixed
     # methods get the controller with max_active = 0: a pure monitor (their Table 3 figures), never

@@ -4,7 +4,7 @@
 reads. None of it is the real benchmark; it is honest stand-in material that exercises the same
 harness tasks:
 
-- **gsm8k**: the project's own generated arithmetic word problems (:mod:`gnmr_hf.data`), with GSM8K's
+- **gsm8k**: the project's own generated arithmetic word problems (:mod:`gnmr_hf.offline.gsm8k`), with GSM8K's
   ``<<a*b=c>>`` annotations and ``#### N`` answers. The files are exactly those of
   ``write_gsm8k_jsonl(root)`` with its defaults, so a model fine-tuned on that call's train split
   is evaluated on its disjoint test split.
@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.data import write_gsm8k_jsonl
+from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
 
 MMLU_SUBJECTS = ("elementary_mathematics", "high_school_computer_science", "abstract_algebra")
 
@@ -298,10 +298,10 @@ def write_eval_data(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gnmr_hf.eval_data OUT_DIR``: write the offline evaluation set."""
+    """``python -m gnmr_hf.offline.eval_data OUT_DIR``: write the offline evaluation set."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m gnmr_hf.eval_data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gnmr_hf.offline.eval_data", description=__doc__.splitlines()[0])
     p.add_argument("root")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -11,7 +11,7 @@ and the stress recipe drive them through the same actuator:
 
 Policies (paper section 5.1 and Appendix E.4/E.5):
 
-- ``"gnmr"``: GNMR + Delta-GNMR, i.e. :class:`gnmr_hf.controller.GNMRController` itself.
+- ``"gnmr"``: GNMR + Delta-GNMR, i.e. :class:`gnmr_hf.core.controller.GNMRController` itself.
 - ``"adapt"``: :class:`StaticSensitivityPolicy`, an ADAPT-style static baseline: profile each unit's
   GNMR during a BF16 warm-up of ``warmup_steps`` steps, then fix the top 25 % (capped by max_active)
   on the recovery path for the rest of the run.
@@ -441,7 +441,7 @@ def make_policy(name: str, num_units: int, config: Any, recoverable: Sequence[bo
     common = {"alpha": config.alpha, "beta": config.beta, "window": config.window, "alpha_init": config.alpha_init,
               "beta_init": config.beta_init, "init_steps": config.init_steps}
     if name == "gnmr":
-        from gnmr_hf.controller import GNMRController
+        from gnmr_hf.core.controller import GNMRController
 
         return GNMRController(num_units, config, recoverable=recoverable)
     if name == "adapt":

@@ -7,7 +7,7 @@ loaded in BF16 or bitsandbytes INT8, the adapter applied with plain PEFT, the mo
 harness's ``HFLM`` and scored by ``lm_eval.simple_evaluate`` with the harness's own task definitions.
 
 ``data_dir`` points the tasks at local JSONL files in the hub datasets' own schemas. The task YAMLs
-in ``gnmr_hf/lm_eval_tasks/`` ``include`` the installed harness's YAMLs and override only the data
+in ``gnmr_hf/evaluation/lm_eval_tasks/`` ``include`` the installed harness's YAMLs and override only the data
 source (``dataset_path: json`` plus ``dataset_kwargs.data_files``, which the harness passes to
 ``datasets.load_dataset``); since those keys need absolute paths, each run fills them in and writes
 the YAMLs into a temporary include folder that a ``TaskManager`` indexes on its own (without the
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf._import_utils import require
-from gnmr_hf.report import GSM8K_FILTERS, format_row, format_table, summary_from_results
+from gnmr_hf.reporting.report import GSM8K_FILTERS, format_row, format_table, summary_from_results
 
 TASKS = ("gsm8k", "mmlu", "hellaswag", "wikitext")
 # files each task needs under DATA_DIR/<task>/, and the hub schema's fields every row must have
@@ -391,7 +391,7 @@ def evaluate(
 
     Returns:
         the harness's results dict, plus ``"summary"``: the Table 7 numbers (see
-        :func:`gnmr_hf.report.summary_from_results`), ``"row"`` (its Markdown row) and the run's settings.
+        :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row) and the run's settings.
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
     task_names = parse_tasks(tasks)

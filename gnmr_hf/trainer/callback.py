@@ -2,8 +2,8 @@
 
 The callback only gathers per-unit gradient norms, calls the controller (or a user policy) and
 applies its answer through :func:`gnmr_hf.set_active_units`; the statistics live in
-:mod:`gnmr_hf.controller` and the low-cost/recovery paths in the backends. Any backend whose modules
-subclass :class:`gnmr_hf.dual_path.DualPathModule` is driven the same way.
+:mod:`gnmr_hf.core.controller` and the low-cost/recovery paths in the backends. Any backend whose modules
+subclass :class:`gnmr_hf.backends.base.DualPathModule` is driven the same way.
 
 Where the Trainer's behaviour matters (transformers 5.x ``Trainer._run_epoch``):
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
-from gnmr_hf.dual_path import recoverable_units, recovery_device_bytes, set_active_units
+from gnmr_hf.backends.base import recoverable_units, recovery_device_bytes, set_active_units
 from gnmr_hf.units import Unit, resolve_units
 
 TRACE_NAME = "gnmr_trace.jsonl"
@@ -181,7 +181,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     At train begin the callback finds the units (the decoder layers by default), groups each unit's
     trainable parameters, finds which units have a recovery path (a
-    :class:`~gnmr_hf.dual_path.DualPathModule` inside them) and builds the controller. At every
+    :class:`~gnmr_hf.backends.base.DualPathModule` inside them) and builds the controller. At every
     optimizer step it takes each unit's gradient norm *before clipping* (after gradient accumulation
     and after the DDP all-reduce), clips with the user's ``max_grad_norm`` exactly as the Trainer would,
     steps the controller and puts the chosen units on the recovery path for the next step. On a model
@@ -265,7 +265,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         check_ranks: bool = True,
         _take_unsafe_args_from_live: bool | str = False,
     ):
-        from gnmr_hf.controller import GNMRConfig
+        from gnmr_hf.core.controller import GNMRConfig
 
         self._token = uuid.uuid4().hex
         if _take_unsafe_args_from_live:
@@ -456,7 +456,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 if not callable(getattr(self.controller, name, None)):
                     raise TypeError(f"GNMRCallback: the policy {type(self.controller).__name__} has no method {name}()")
             return
-        from gnmr_hf.controller import GNMRController
+        from gnmr_hf.core.controller import GNMRController
 
         config = self.config
         if self.init_fraction is not None:

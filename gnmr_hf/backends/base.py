@@ -92,11 +92,3 @@ def _resolve(model: nn.Module, units: Any) -> list[Unit]:
     if isinstance(units, list) and units and isinstance(units[0], tuple):
         return units
     return resolve_units(model, units)
-
-
-def prepare_dual_path(model: nn.Module, recovery_source: str, storage: str = "host", **kwargs: Any) -> nn.Module:
-    """Give every decoder layer of an 8-bit model a BF16 recovery path (see
-    :func:`gnmr_hf.backends.bnb_int8.prepare_dual_path`)."""
-    from gnmr_hf.backends import bnb_int8
-
-    return bnb_int8.prepare_dual_path(model, recovery_source=recovery_source, storage=storage, **kwargs)

@@ -1,0 +1,2 @@
+"""The pure core: GNMR configuration, controller and trigger policies (PyTorch only, no Hugging Face
+imports)."""

@@ -1,0 +1,1 @@
+"""Scoring with lm-evaluation-harness: the bundled GSM8K / MMLU / HellaSwag / WikiText-2 script."""
