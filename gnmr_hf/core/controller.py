@@ -115,6 +115,26 @@ class GNMRConfig:
         return cls(**dict(data))
 
 
+def init_steps_from_fraction(init_fraction: float, total_steps: int) -> int:
+    """The ``init_steps`` for an initial-threshold phase of ``init_fraction`` of ``total_steps`` steps.
+
+    The one place this conversion happens (callback, recipes, stress bench): the product rounded half
+    up, and at least one step for a positive fraction, so "the first 2.5% of 100 steps" is 3 steps and
+    2.5% of 20 steps is 1.
+
+    Args:
+        init_fraction (`float`): the fraction of training, in [0, 1].
+        total_steps (`int`): the run's number of optimizer steps (``max_steps``), >= 0.
+    """
+    if isinstance(init_fraction, bool) or not isinstance(init_fraction, numbers.Real) or not 0 <= init_fraction <= 1:
+        raise ValueError(f"init_fraction must be a number in [0, 1], got {init_fraction!r}")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral) or total_steps < 0:
+        raise ValueError(f"total_steps must be an integer >= 0, got {total_steps!r}")
+    if init_fraction == 0 or total_steps == 0:
+        return 0
+    return max(1, math.floor(init_fraction * total_steps + 0.5))
+
+
 class GNMRController:
     """Budgeted, lock-stabilised selection of the riskiest units from their gradient norms.
 
