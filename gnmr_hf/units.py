@@ -20,6 +20,16 @@ UnitSpec = Union[None, Sequence[str], Callable[[nn.Module], Sequence[Unit]]]
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / accelerate wrappers (``.module``) and PEFT
+    (``get_base_model()``); ``model`` itself when it is not wrapped."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
 def _num_layers(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     for attr in ("num_hidden_layers", "n_layer", "num_layers"):
