@@ -1,28 +1,39 @@
-"""LoRA fine-tuning of a causal LM in BF16, INT8, or INT8 with GNMR-controlled BF16 recovery.
+"""LoRA fine-tuning of a causal LM on a BF16, INT8 or NF4 base, optionally with GNMR-controlled BF16 recovery.
 
 Launch with accelerate (one process, CPU or GPU DDP; the config files are in recipes/accelerate/):
 
     accelerate launch [--config_file recipes/accelerate/cpu.yaml] recipes/finetune.py \\
-        --config recipes/smollm2-135m/gnmr.yaml [--max_steps 3 --output_dir out/x ...]
+        --config recipes/smollm2-135m/gnmr.yaml [--max_steps 3 --output_dir out/x --gnmr.max_active 4 ...]
 
-The run, top to bottom: read the YAML config (every key below can be overridden with
-``--key value``), load the base model for the chosen ``precision``
+The configuration is parsed by ``transformers.HfArgumentParser`` into three dataclasses: every
+``transformers.TrainingArguments`` field (``learning_rate``, ``per_device_train_batch_size``, ``max_steps``,
+``bf16``, ``activation_checkpointing``, ...), :class:`ScriptArguments` (model, data, precision) and
+:class:`LoraArguments`; ``--help`` lists them all. A YAML file given by ``--config`` sets them by their
+field names; a key ``include: other.yaml`` (a path relative to the file) reads that file first and lets
+this one override it, so a model's shared values live in one ``base.yaml``. The nested ``gnmr:`` block
+is ``gnmr_hf.GNMRConfig.from_dict`` input plus ``init_fraction``, ``storage`` and ``monitor``; on the
+command line its keys are ``--gnmr.KEY value``. Command-line values override the file.
 
-    bf16  the BF16 checkpoint + LoRA (the high-fidelity reference)
-    int8  the checkpoint in bitsandbytes INT8 + LoRA (the fixed low-cost path)
-    gnmr  INT8 + a BF16 recovery path per decoder layer (gnmr_hf.prepare_dual_path) + LoRA,
-          with gnmr_hf.GNMRCallback switching up to ``gnmr_max_active`` layers to BF16
+The run, top to bottom: parse the configuration, load the base model for ``precision``
+
+    bf16      the BF16 checkpoint + LoRA (the high-fidelity reference)
+    int8      the checkpoint in bitsandbytes INT8 + LoRA (the fixed low-cost path)
+    gnmr      INT8 + a BF16 recovery path per decoder layer (gnmr_hf.prepare_dual_path) + LoRA,
+              with gnmr_hf.GNMRCallback switching up to ``gnmr.max_active`` layers to BF16
+    nf4       the checkpoint in bitsandbytes NF4 (BF16 compute) + LoRA: plain QLoRA
+    gnmr-nf4  NF4 + a BF16 recovery path per decoder layer + LoRA, switched by GNMRCallback
 
 build the dataset (a prompt template over each record's fields; loss only on the answer tokens),
-train with the Hugging Face Trainer, and write into ``output_dir``: the LoRA adapter (plain PEFT),
-``trainer_state.json`` (the loss log), ``gnmr_trace.jsonl`` + ``gnmr_summary.json`` (gnmr runs), and
-``run.json`` (config, package versions, wall time, peak memory, final loss, GNMR summary).
+train with the Hugging Face Trainer (``resume_from_checkpoint`` resumes), and write into ``output_dir``:
+the LoRA adapter (plain PEFT), ``trainer_state.json`` (the loss log), ``gnmr_trace.jsonl`` +
+``gnmr_summary.json`` (runs with the callback), and ``run.json`` (configuration, package versions,
+wall time, peak memory, losses, GNMR summary; written last, it marks a complete run).
 
-Errors in the config or the inputs end the run with a one-line message and exit code 2.
+Errors in the configuration or the inputs end the run with a one-line message and exit code 2.
 """
 
-from __future__ import annotations
-
+import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -31,207 +42,296 @@ import string
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-# Every key the recipe knows, with its default. The YAML files set the ones that matter for a run;
-# the type of each default (or of the YAML's value where the default is None) is the type that a
-# command-line override is converted to.
-DEFAULTS: dict[str, Any] = {
-    # --- run ---
-    "output_dir": "out/finetune",
-    "seed": 42,
-    "precision": "gnmr",  # bf16 | int8 | gnmr
-    # --- model ---
-    # a local folder, a hub id, or "smollm2-135m-instruct" (gnmr_hf.smollm2_checkpoint(), offline)
-    "model": "smollm2-135m-instruct",
-    # --- data ---
-    # a hub id ("openai/gsm8k"), a local .json/.jsonl file or folder of them, or "generated-arithmetic"
-    # (GSM8K-schema word problems from gnmr_hf.offline.gsm8k, written into data_dir)
-    "dataset": "generated-arithmetic",
-    "dataset_config": None,  # the hub dataset's config name ("main" for openai/gsm8k)
-    "dataset_split": "train",
-    "data_dir": None,  # where generated-arithmetic writes its files; None = {output_dir}/data
-    "num_generated": 512,  # training problems for generated-arithmetic
-    "data_seed": 0,
-    "max_train_examples": None,  # keep only the first N records (None = all)
-    # str.format templates over the record's fields; the loss covers the response only
-    "prompt_template": "Question: {question}\nAnswer:",
-    "response_template": " {answer}",
-    "chat_template": False,  # wrap the prompt as a user turn with the tokenizer's chat template
-    "max_seq_len": 512,
-    # --- LoRA ---
-    "lora_r": 8,
-    "lora_alpha": 16,
-    "lora_dropout": 0.05,
-    "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    # --- optimisation (HF Trainer) ---
-    "optim": "adamw_torch",
-    "learning_rate": 2e-5,
-    "weight_decay": 0.0,
-    "max_grad_norm": 1.0,
-    "lr_scheduler_type": "linear",
-    "warmup_steps": 0.0,  # < 1: a fraction of the total steps
-    "per_device_train_batch_size": 4,
-    "gradient_accumulation_steps": 1,
-    "num_train_epochs": 1.0,
-    "max_steps": -1,  # > 0 overrides num_train_epochs
-    "bf16_autocast": False,  # Trainer(bf16=True): autocast the LoRA/activations to BF16
-    "gradient_checkpointing": False,
-    "logging_steps": 1,
-    "save_strategy": "no",  # intermediate checkpoints ("steps" + save_steps); the adapter is always saved
-    "save_steps": 500,
-    "dataloader_num_workers": 0,
-    # --- GNMR (precision: gnmr) --- paper symbols: maxO, T_lock, alpha_t, beta_t, delta
-    "gnmr_max_active": 10,
-    "gnmr_lock_steps": 1,
-    "gnmr_alpha": 1.1,
-    "gnmr_alpha_init": 1.5,  # alpha during the first gnmr_init_fraction of the steps
-    "gnmr_beta": 1.5,
-    "gnmr_beta_init": None,
-    "gnmr_window": 5,
-    "gnmr_init_fraction": 0.025,
-    "gnmr_full_recovery_steps": 0,
-    "gnmr_storage": "host",  # host | device | disk: where the BF16 recovery weights live
-    "gnmr_monitor": False,  # bf16/int8: attach the callback monitor-only (a per-layer GNMR trace)
-}
-PRECISIONS = ("bf16", "int8", "gnmr")
+from transformers import HfArgumentParser, TrainingArguments
+
 GENERATED = "generated-arithmetic"
 SMOLLM2 = "smollm2-135m-instruct"
+INT8_PRECISIONS = ("int8", "gnmr")
+NF4_PRECISIONS = ("nf4", "gnmr-nf4")
+GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
 
 
 class RecipeError(Exception):
-    """A problem with the config or the inputs: reported as one line, exit code 2."""
+    """A problem with the configuration or the inputs: reported as one line, exit code 2."""
 
 
 # ----------------------------------------------------------------------------------------------
-# config: YAML (PyYAML, never exec) + --key value overrides
+# configuration: the script's own dataclasses next to TrainingArguments, the gnmr: block, the parser
 
 
-def _coerce(key: str, value: Any, ref: Any) -> Any:
-    """Convert ``value`` (a YAML value, or a command-line string) to the type of ``ref``."""
-    if isinstance(value, str) and value.strip().lower() in ("null", "none", "~"):
-        return None
-    if ref is None or value is None:
-        if isinstance(value, str):  # no type to go by: let YAML read it (numbers, lists, booleans)
-            import yaml
+@dataclass
+class ScriptArguments:
+    """The model, the data and the precision of the base weights.
 
-            try:
-                return yaml.safe_load(value)
-            except yaml.YAMLError:
-                return value
-        return value
-    kind = type(ref)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise RecipeError(f"{key} must be true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise RecipeError(f"{key} must be an integer, got {value!r}")
+    Args:
+        model (`str`): a local folder with ``config.json``, a hub id, or ``"smollm2-135m-instruct"``
+            (``gnmr_hf.smollm2_checkpoint()``, offline).
+        precision (`str`): bf16, int8, gnmr, nf4 or gnmr-nf4 (see the module docstring).
+        bnb_4bit_use_double_quant (`bool`): nf4 / gnmr-nf4: quantise the 4-bit scales too (QLoRA's
+            double quantisation).
+        dataset (`str`): a hub id (``"openai/gsm8k"``), a local .json/.jsonl file or folder of them, or
+            ``"generated-arithmetic"`` (GSM8K-schema word problems from ``gnmr_hf.offline.gsm8k``).
+        dataset_config (`str`, *optional*): the hub dataset's config name (``"main"`` for openai/gsm8k).
+        dataset_split (`str`): the split to train on.
+        data_dir (`str`, *optional*): where generated-arithmetic writes its files; default
+            ``{output_dir}/data``.
+        num_generated (`int`): training problems for generated-arithmetic.
+        generated_seed (`int`): the seed of the generated problems (TrainingArguments' ``data_seed`` is
+            the sampler's).
+        max_train_examples (`int`, *optional*): keep only the first N records.
+        prompt_template (`str`), response_template (`str`): ``str.format`` templates over a record's
+            fields; the loss covers the response only.
+        chat_template (`bool`): wrap the prompt as a user turn with the tokenizer's chat template.
+        max_seq_len (`int`): tokens per example (prompt + response), truncated beyond.
+    """
+
+    model: str = field(default=SMOLLM2, metadata={"help": "local folder, hub id, or smollm2-135m-instruct"})
+    precision: Literal["bf16", "int8", "gnmr", "nf4", "gnmr-nf4"] = field(
+        default="bf16", metadata={"help": "base weights: bf16, int8, gnmr (INT8 + GNMR), nf4, gnmr-nf4"})
+    bnb_4bit_use_double_quant: bool = field(default=False, metadata={"help": "nf4: double quantisation"})
+    dataset: str = field(default=GENERATED, metadata={"help": "hub id, .json/.jsonl file or folder, or "
+                                                              "generated-arithmetic"})
+    dataset_config: str | None = field(default=None, metadata={"help": "hub dataset config name"})
+    dataset_split: str = field(default="train", metadata={"help": "split to train on"})
+    data_dir: str | None = field(default=None, metadata={"help": "generated data folder ({output_dir}/data)"})
+    num_generated: int = field(default=512, metadata={"help": "generated-arithmetic: training problems"})
+    generated_seed: int = field(default=0, metadata={"help": "generated-arithmetic: seed of the problems"})
+    max_train_examples: int | None = field(default=None, metadata={"help": "keep only the first N records"})
+    prompt_template: str = field(default="Question: {question}\nAnswer:", metadata={"help": "str.format template"})
+    response_template: str = field(default=" {answer}", metadata={"help": "str.format template (the loss)"})
+    chat_template: bool = field(default=False, metadata={"help": "prompt as a chat user turn"})
+    max_seq_len: int = field(default=512, metadata={"help": "tokens per example"})
+
+    def __post_init__(self) -> None:
+        for name in ("num_generated", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_train_examples is not None and self.max_train_examples < 1:
+            raise ValueError(f"max_train_examples must be >= 1 or null, got {self.max_train_examples}")
+
+
+@dataclass
+class LoraArguments:
+    """The LoRA adapter (``peft.LoraConfig``), with TRL's script names.
+
+    Args:
+        lora_r (`int`): the rank r.
+        lora_alpha (`int`): the scaling numerator alpha (the update is scaled by alpha / r).
+        lora_dropout (`float`): dropout on the adapter's input.
+        lora_target_modules (`list[str]`): names of the linear layers that get an adapter.
+    """
+
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout"})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata={"help": "modules that get an adapter"})
+
+
+@dataclass
+class GNMRArguments:
+    """The ``gnmr:`` block: a ``gnmr_hf.GNMRConfig`` plus what the recipe does with it.
+
+    Args:
+        config (`gnmr_hf.GNMRConfig`): from the block's remaining keys (``GNMRConfig.from_dict``).
+        init_fraction (`float`, *optional*): the initial-threshold phase as a fraction of the run's
+            steps; ``GNMRCallback`` turns it into ``init_steps`` once ``max_steps`` is known.
+        storage (`str`): where the BF16 recovery weights live: host, device or disk.
+        monitor (`bool`): on a bf16/int8/nf4 run, attach the callback monitor-only (a per-layer trace).
+    """
+
+    config: Any
+    init_fraction: float | None = None
+    storage: str = "host"
+    monitor: bool = False
+
+    @classmethod
+    def from_dict(cls, block: dict[str, Any]) -> "GNMRArguments":
+        from gnmr_hf.core.controller import GNMRConfig
+
+        block = dict(block)
+        own = {k: block.pop(k) for k in ("init_fraction", "storage", "monitor") if k in block}
+        known = [f.name for f in dataclasses.fields(GNMRConfig)] + ["init_fraction", "storage", "monitor"]
+        unknown = sorted(set(block) - set(known))
+        if unknown:
+            raise _unknown([f"gnmr.{k}" for k in unknown], [f"gnmr.{k}" for k in known], "in the gnmr block")
         try:
-            return int(value) if not isinstance(value, str) else int(value.strip())
-        except ValueError:
-            raise RecipeError(f"{key} must be an integer, got {value!r}") from None
-    if kind is float:
-        if isinstance(value, bool):
-            raise RecipeError(f"{key} must be a number, got {value!r}")
-        try:
-            return float(value)  # float("2e-5") works where YAML 1.1 reads "2e-5" as a string
-        except ValueError:
-            raise RecipeError(f"{key} must be a number, got {value!r}") from None
-    if kind is list:
-        if isinstance(value, list):
-            return value
-        text = str(value).strip()
-        if text.startswith("["):
-            import yaml
+            config = GNMRConfig.from_dict(block)
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"gnmr: {e}") from None
+        if own.get("storage", "host") not in ("host", "device", "disk"):
+            raise RecipeError(f"gnmr.storage must be host, device or disk, got {own['storage']!r}")
+        if not isinstance(own.get("monitor", False), bool):
+            raise RecipeError(f"gnmr.monitor must be true or false, got {own['monitor']!r}")
+        return cls(config=config, **own)
 
-            return list(yaml.safe_load(text))
-        return [part.strip() for part in text.split(",") if part.strip()]
-    if kind is str:
-        if not isinstance(value, str):
-            raise RecipeError(f"{key} must be a string, got {value!r}")
-        return value
-    return value
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.config), "init_fraction": self.init_fraction, "storage": self.storage,
+                "monitor": self.monitor}
 
 
-def _unknown(keys: list[str], where: str) -> RecipeError:
+@dataclass
+class Recipe:
+    """Everything one run needs, parsed and validated (see :func:`load_config`)."""
+
+    script: ScriptArguments
+    lora: LoraArguments
+    training: TrainingArguments
+    gnmr: GNMRArguments
+    config_file: str | None = None
+
+
+class RecipeParser(HfArgumentParser):
+    """``HfArgumentParser`` over the recipe's dataclasses that raises instead of printing usage and exiting."""
+
+    def __init__(self) -> None:
+        super().__init__((ScriptArguments, LoraArguments, TrainingArguments), prog="finetune.py",
+                         allow_abbrev=False,  # "--max_step" is an error, not silently --max_steps
+                         description=__doc__.split("\n\n")[0], epilog=_gnmr_help())
+        self.add_argument("--config", default=None, help="YAML file of field: value (include: base.yaml)")
+        import torch
+
+        # the recipe's own defaults, below the YAML file: without CUDA, use_cpu turns accelerate's
+        # multi-process launch into a gloo DDP run; LoRA leaves no parameter of a DDP replica unused
+        self.set_defaults(use_cpu=not torch.cuda.is_available(), ddp_find_unused_parameters=False,
+                          remove_unused_columns=False, report_to="none", disable_tqdm=False)
+
+    def error(self, message: str):  # argparse's own message ("argument --max_steps: invalid int value ...")
+        raise RecipeError(message)
+
+    def known_keys(self) -> list[str]:
+        return [a.dest for a in self._actions if a.option_strings and a.dest not in ("help", "config")]
+
+
+def _gnmr_help() -> str:
+    from gnmr_hf.core.controller import GNMRConfig
+
+    names = [f.name for f in dataclasses.fields(GNMRConfig)] + ["init_fraction", "storage", "monitor"]
+    return ("gnmr: block (YAML) / --gnmr.KEY value (command line), KEY one of: " + ", ".join(names)
+            + "; see gnmr_hf.GNMRConfig and docs/recipes.md")
+
+
+def read_config_file(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a dict, its ``include:`` chain resolved (the including file's keys win).
+
+    The ``gnmr:`` blocks merge key by key, so a variant file can change one GNMR value.
+
+    Args:
+        path: the YAML file.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"config file {path} not found")
+    if path.resolve() in _chain:
+        raise RecipeError(f"config include loop: {' -> '.join(str(p) for p in (*_chain, path.resolve()))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} must hold a mapping of key: value")
+    include = data.pop("include", None)
+    if include is None:
+        return data
+    merged = read_config_file(path.parent / str(include), (*_chain, path.resolve()))
+    gnmr = {**(merged.get("gnmr") or {}), **(data.pop("gnmr", None) or {})}
+    merged.update(data)
+    if gnmr:
+        merged["gnmr"] = gnmr
+    return merged
+
+
+def _as_argv(key: str, value: Any) -> list[str]:
+    """A YAML value as the command-line tokens argparse would see, so both pass the same type checks."""
+    if isinstance(value, list):
+        return [f"--{key}", *(str(v) for v in value)]
+    if isinstance(value, dict):
+        return [f"--{key}", json.dumps(value)]  # TrainingArguments reads its dict fields from JSON
+    return [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+def _unknown(keys: list[str], known: list[str], where: str) -> RecipeError:
     hints = []
     for k in keys:
-        close = difflib.get_close_matches(k, DEFAULTS, n=1)
+        close = difflib.get_close_matches(k, known, n=1)
         hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return RecipeError(f"unknown config key(s) {where}: {', '.join(hints)}")
+    return RecipeError(f"unknown key(s) {where}: {', '.join(hints)}")
 
 
-def parse_overrides(args: list[str]) -> tuple[str | None, dict[str, str]]:
-    """Split ``--config PATH --key value --key=value ...`` into the config path and raw overrides."""
-    config_path, raw = None, {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or arg == "--":
-            raise RecipeError(f"expected --key value, got {arg!r}")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
+def _split_gnmr_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Take ``--gnmr.KEY value`` / ``--gnmr.KEY=value`` out of ``argv``; values are read as YAML scalars."""
+    import yaml
+
+    rest, block, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--gnmr."):
+            rest.append(arg)
+            i += 1
+            continue
+        key, eq, value = arg[len("--gnmr."):].partition("=")
         if not eq:
-            if i + 1 >= len(args):
-                raise RecipeError(f"--{key} needs a value")
-            value = args[i + 1]
+            if i + 1 >= len(argv):
+                raise RecipeError(f"{arg} needs a value")
+            value = argv[i + 1]
             i += 1
         i += 1
-        if key == "config":
-            config_path = value
-        else:
-            raw[key] = value
-    return config_path, raw
+        try:
+            block[key.replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            block[key.replace("-", "_")] = value
+    return rest, block
 
 
-def load_config(argv: list[str]) -> dict[str, Any]:
-    """The run's config: DEFAULTS, then the YAML file given by ``--config``, then ``--key value`` overrides.
+def load_config(argv: list[str]) -> Recipe:
+    """The run's configuration: dataclass defaults, then the ``--config`` YAML, then the command line.
 
     Args:
         argv: the script's arguments (without the program name).
 
     Raises:
-        RecipeError: unknown keys (named), values of the wrong type, an unknown precision.
+        RecipeError: unknown keys (named, with the closest known one), values of the wrong type or out of
+            range, an unknown precision, a missing config file.
     """
-    import yaml
+    parser = RecipeParser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    config_file = pre.parse_known_args(argv)[0].config
+    settings = read_config_file(config_file) if config_file else {}
+    gnmr_block = settings.pop("gnmr", None) or {}
+    if not isinstance(gnmr_block, dict):
+        raise RecipeError(f"gnmr in {config_file} must be a mapping of key: value")
+    argv, gnmr_flags = _split_gnmr_flags(argv)
+    gnmr_block.update(gnmr_flags)
 
-    config_path, raw = parse_overrides(argv)
-    cfg = dict(DEFAULTS)
-    types = dict(DEFAULTS)
-    if config_path is not None:
-        path = Path(config_path)
-        if not path.is_file():
-            raise RecipeError(f"config file {config_path} not found")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise RecipeError(f"{config_path} is not valid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise RecipeError(f"{config_path} must hold a mapping of key: value")
-        unknown = sorted(set(loaded) - set(DEFAULTS))
-        if unknown:
-            raise _unknown(unknown, f"in {config_path}")
-        for key, value in loaded.items():
-            cfg[key] = _coerce(key, value, DEFAULTS[key])
-            if types[key] is None and cfg[key] is not None:
-                types[key] = cfg[key]  # a YAML value gives the type where the default is None
-    unknown = sorted(set(raw) - set(DEFAULTS))
+    known = parser.known_keys()
+    unknown = sorted(set(settings) - set(known))
     if unknown:
-        raise _unknown(unknown, "on the command line")
-    for key, value in raw.items():
-        cfg[key] = _coerce(key, value, types[key])
-    if cfg["precision"] not in PRECISIONS:
-        raise RecipeError(f"unknown precision {cfg['precision']!r}: this recipe knows {', '.join(PRECISIONS)}")
-    cfg["_config_file"] = config_path
-    return cfg
+        raise _unknown(unknown, known, f"in {config_file}")
+    tokens: list[str] = []
+    for key, value in settings.items():
+        if value is None:
+            parser.set_defaults(**{key: None})  # argparse has no token for "null"
+        else:
+            tokens += _as_argv(key, value)
+    try:
+        *parsed, rest = parser.parse_args_into_dataclasses(tokens + list(argv), return_remaining_strings=True,
+                                                           look_for_args_file=False)
+    except ValueError as e:  # a dataclass's __post_init__ (TrainingArguments' own checks among them)
+        raise RecipeError(str(e).strip().splitlines()[0]) from None
+    if rest:
+        flags = [r[2:].split("=")[0] for r in rest if r.startswith("--")] or rest
+        raise _unknown(flags, known, "on the command line")
+    script, lora, training = parsed[:3]
+    return Recipe(script=script, lora=lora, training=training, gnmr=GNMRArguments.from_dict(gnmr_block),
+                  config_file=config_file)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +351,8 @@ def resolve_model_path(name: str) -> str:
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise RecipeError(f"model folder {name} has no config.json")
         return name
-    if name.startswith((".", "/", "~")) or not _hub_like(name):
+    parts = name.split("/")
+    if name.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts):
         raise RecipeError(f"model {name!r} not found (no such folder, and not a hub id)")
     from huggingface_hub import snapshot_download
 
@@ -262,100 +363,46 @@ def resolve_model_path(name: str) -> str:
         raise RecipeError(f"model {name!r} not found: not a folder, and the hub gave {type(e).__name__}: {e}") from None
 
 
-def _hub_like(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts)
-
-
-def training_arguments(cfg: dict[str, Any]):
-    """The ``transformers.TrainingArguments`` for ``cfg`` (no model is loaded)."""
+def quantization_config(script: ScriptArguments):
+    """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16)."""
+    if script.precision == "bf16":
+        return None
     import torch
-    from transformers import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=cfg["output_dir"],
-        seed=cfg["seed"],
-        optim=cfg["optim"],
-        learning_rate=cfg["learning_rate"],
-        weight_decay=cfg["weight_decay"],
-        max_grad_norm=cfg["max_grad_norm"],
-        lr_scheduler_type=cfg["lr_scheduler_type"],
-        warmup_steps=cfg["warmup_steps"],
-        per_device_train_batch_size=cfg["per_device_train_batch_size"],
-        gradient_accumulation_steps=cfg["gradient_accumulation_steps"],
-        num_train_epochs=cfg["num_train_epochs"],
-        max_steps=cfg["max_steps"],
-        bf16=cfg["bf16_autocast"],
-        activation_checkpointing=cfg["gradient_checkpointing"],
-        logging_steps=cfg["logging_steps"],
-        save_strategy=cfg["save_strategy"],
-        save_steps=cfg["save_steps"],
-        dataloader_num_workers=cfg["dataloader_num_workers"],
-        # without CUDA, use_cpu makes accelerate's multi-process launch a gloo DDP run
-        use_cpu=not torch.cuda.is_available(),
-        # LoRA leaves some parameters of a DDP replica without gradients only if a layer is unused
-        ddp_find_unused_parameters=False,
-        remove_unused_columns=False,
-        report_to="none",
-        disable_tqdm=False,
-    )
+    from gnmr_hf._import_utils import require
+
+    require("bitsandbytes", f"precision: {script.precision}")
+    from transformers import BitsAndBytesConfig
+
+    if script.precision in INT8_PRECISIONS:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=script.bnb_4bit_use_double_quant)
 
 
-def gnmr_config(cfg: dict[str, Any]):
-    """The ``gnmr_hf.GNMRConfig`` for ``cfg`` (init_steps comes from gnmr_init_fraction in the callback)."""
-    import gnmr_hf
-
-    try:
-        return gnmr_hf.GNMRConfig(
-            max_active=cfg["gnmr_max_active"],
-            lock_steps=cfg["gnmr_lock_steps"],
-            alpha=cfg["gnmr_alpha"],
-            alpha_init=cfg["gnmr_alpha_init"],
-            beta=cfg["gnmr_beta"],
-            beta_init=cfg["gnmr_beta_init"],
-            window=cfg["gnmr_window"],
-            full_recovery_steps=cfg["gnmr_full_recovery_steps"],
-        )
-    except ValueError as e:
-        raise RecipeError(f"GNMR config: {e}") from None
-
-
-def load_model(cfg: dict[str, Any], model_path: str):
-    """The base model for ``cfg['precision']`` with LoRA applied (a ``peft.PeftModel``)."""
+def load_model(recipe: Recipe, model_path: str):
+    """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``)."""
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
     # under DDP on GPUs each process holds a whole replica on its own device
-    device_map = None
-    if torch.cuda.is_available():
-        device_map = {"": int(os.environ.get("LOCAL_RANK", 0))}
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16, "device_map": device_map}
-    if cfg["precision"] in ("int8", "gnmr"):
-        from gnmr_hf._import_utils import require
-
-        require("bitsandbytes", f"precision: {cfg['precision']}")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, device_map=device_map,
+                                                     quantization_config=quantization_config(recipe.script))
     except OSError as e:
         raise RecipeError(f"could not load the model from {model_path}: {e}") from None
-    if cfg["precision"] == "gnmr":
+    if recipe.script.precision in GNMR_PRECISIONS:
         import gnmr_hf
 
-        # before LoRA: the dual-path layers replace the 8-bit linears that LoRA then wraps
-        model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=cfg["gnmr_storage"])
-    if cfg["gradient_checkpointing"]:
+        # before LoRA: the dual-path layers replace the quantised linears that LoRA then wraps
+        model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage)
+    if recipe.training.activation_checkpointing:
         model.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
-    lora = peft.LoraConfig(
-        r=cfg["lora_r"],
-        lora_alpha=cfg["lora_alpha"],
-        lora_dropout=cfg["lora_dropout"],
-        target_modules=cfg["lora_target_modules"],
-        task_type="CAUSAL_LM",
-    )
+    lora = peft.LoraConfig(r=recipe.lora.lora_r, lora_alpha=recipe.lora.lora_alpha,
+                           lora_dropout=recipe.lora.lora_dropout, target_modules=recipe.lora.lora_target_modules,
+                           task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as e:  # e.g. target modules the model does not have
@@ -374,55 +421,53 @@ def template_fields(*templates: str) -> list[str]:
     return fields
 
 
-def load_records(cfg: dict[str, Any]):
+def load_records(script: ScriptArguments, output_dir: str):
     """The raw training records as a ``datasets.Dataset``."""
     import datasets
 
-    name = cfg["dataset"]
+    name = script.dataset
     if name == GENERATED:
         from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
 
-        data_dir = cfg["data_dir"] or os.path.join(cfg["output_dir"], "data")
-        folder = write_gsm8k_jsonl(data_dir, n_train=cfg["num_generated"], seed=cfg["data_seed"])
-        files = [str(folder / "train.jsonl")]
-        ds = datasets.load_dataset("json", data_files=files, split="train")
+        data_dir = script.data_dir or os.path.join(output_dir, "data")
+        folder = write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
+        ds = datasets.load_dataset("json", data_files=[str(folder / "train.jsonl")], split="train")
     elif os.path.exists(name):
+        files = [name]
         if os.path.isdir(name):
             files = sorted(str(p) for p in Path(name).iterdir() if p.suffix in (".json", ".jsonl"))
             if not files:
                 raise RecipeError(f"dataset folder {name} holds no .json/.jsonl files")
-        else:
-            files = [name]
         try:
             ds = datasets.load_dataset("json", data_files=files, split="train")
         except Exception as e:
             raise RecipeError(f"could not read {name} as JSON lines: {e}") from None
     else:
         try:
-            ds = datasets.load_dataset(name, cfg["dataset_config"], split=cfg["dataset_split"])
+            ds = datasets.load_dataset(name, script.dataset_config, split=script.dataset_split)
         except Exception as e:
             raise RecipeError(f"dataset {name!r} not found (not a local file, and datasets gave "
                               f"{type(e).__name__}: {e})") from None
-    if cfg["max_train_examples"] is not None:
-        ds = ds.select(range(min(cfg["max_train_examples"], len(ds))))
+    if script.max_train_examples is not None:
+        ds = ds.select(range(min(script.max_train_examples, len(ds))))
     return ds
 
 
-def tokenize_dataset(cfg: dict[str, Any], records, tokenizer):
+def tokenize_dataset(script: ScriptArguments, records, tokenizer):
     """Token ids and labels: the prompt's labels are -100, so the loss covers only the response."""
-    fields = template_fields(cfg["prompt_template"], cfg["response_template"])
+    fields = template_fields(script.prompt_template, script.response_template)
     missing = [f for f in fields if f not in records.column_names]
     if missing:
         raise RecipeError(
             f"the dataset has no field(s) {', '.join(map(repr, missing))} used by the prompt/response "
             f"template; its fields are {', '.join(records.column_names)}"
         )
-    max_len = cfg["max_seq_len"]
+    max_len = script.max_seq_len
 
     def encode(row: dict[str, Any]) -> dict[str, list[int]]:
-        prompt = cfg["prompt_template"].format(**row)
-        response = cfg["response_template"].format(**row)
-        if cfg["chat_template"]:
+        prompt = script.prompt_template.format(**row)
+        response = script.response_template.format(**row)
+        if script.chat_template:
             prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                    add_generation_prompt=True, tokenize=False)
             response = response.lstrip()
@@ -468,41 +513,41 @@ def peak_memory() -> dict[str, Any]:
 # the run
 
 
-def run(cfg: dict[str, Any], extra_callbacks: list | None = None) -> dict[str, Any]:
-    """Train one LoRA adapter as ``cfg`` says; returns the run.json record (written on rank 0).
+def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
+    """Train one LoRA adapter as ``recipe`` says; returns the run.json record (written on rank 0).
 
     Args:
-        cfg: the config from :func:`load_config`.
+        recipe: the configuration from :func:`load_config`.
         extra_callbacks: more ``TrainerCallback`` objects (bench/gpu_13b_shape.py times steps with one).
     """
     import torch
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
 
+    script, args = recipe.script, recipe.training
     start = time.time()
     # bitsandbytes warns on every INT8 matmul that it casts BF16 inputs to FP16; once is enough
     warnings.filterwarnings("once", message="MatMul8bitLt: inputs will be cast")
-    args = training_arguments(cfg)
     if args.process_index == 0:
-        Path(cfg["output_dir"], "run.json").unlink(missing_ok=True)  # a stale one would mark this run done
-    set_seed(cfg["seed"])
-    model_path = resolve_model_path(cfg["model"])
+        Path(args.output_dir, "run.json").unlink(missing_ok=True)  # a stale one would mark this run done
+    set_seed(args.seed)
+    model_path = resolve_model_path(script.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
 
     # one process writes the generated data and the tokenised cache, the others then read them
     with args.main_process_first(desc="dataset"):
-        train_ds = tokenize_dataset(cfg, load_records(cfg), tokenizer)
+        train_ds = tokenize_dataset(script, load_records(script, args.output_dir), tokenizer)
 
-    model = load_model(cfg, model_path)
+    model = load_model(recipe, model_path)
     if args.process_index == 0:
         model.print_trainable_parameters()
 
     callbacks = list(extra_callbacks or [])
-    if cfg["precision"] == "gnmr" or cfg["gnmr_monitor"]:
+    if script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
         import gnmr_hf
 
-        callbacks.append(gnmr_hf.GNMRCallback(gnmr_config(cfg), init_fraction=cfg["gnmr_init_fraction"]))
+        callbacks.append(gnmr_hf.GNMRCallback(recipe.gnmr.config, init_fraction=recipe.gnmr.init_fraction))
 
     trainer = Trainer(
         model=model,
@@ -513,19 +558,20 @@ def run(cfg: dict[str, Any], extra_callbacks: list | None = None) -> dict[str, A
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.time() - start
 
-    trainer.save_model(cfg["output_dir"])  # a PeftModel saves just the adapter
+    trainer.save_model(args.output_dir)  # a PeftModel saves just the adapter
     trainer.save_state()  # trainer_state.json: the loss log the demo plots
     record: dict[str, Any] = {}
     if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(cfg["output_dir"])
+        tokenizer.save_pretrained(args.output_dir)
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         record = {
             "status": "complete",
-            "config": {k: v for k, v in cfg.items() if not k.startswith("_")},
-            "config_file": cfg["_config_file"],
+            "config": {"script": dataclasses.asdict(script), "lora": dataclasses.asdict(recipe.lora),
+                       "gnmr": recipe.gnmr.to_dict(), "training": json.loads(args.to_json_string())},
+            "config_file": recipe.config_file,
             "model_path": model_path,
             "versions": package_versions(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -540,12 +586,12 @@ def run(cfg: dict[str, Any], extra_callbacks: list | None = None) -> dict[str, A
             **peak_memory(),
             "gnmr_summary": None,
         }
-        summary = Path(cfg["output_dir"]) / "gnmr_summary.json"
+        summary = Path(args.output_dir) / "gnmr_summary.json"
         if summary.is_file():
             record["gnmr_summary"] = json.loads(summary.read_text())
-        tmp = Path(cfg["output_dir"]) / ".run.json.tmp"
+        tmp = Path(args.output_dir) / ".run.json.tmp"
         tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, Path(cfg["output_dir"]) / "run.json")  # run.json last: it marks a complete run
+        os.replace(tmp, Path(args.output_dir) / "run.json")  # run.json last: it marks a complete run
         print(f"run.json: final loss {record['final_loss']}, wall time {record['wall_time_s']} s, "
               f"peak memory {record['peak_memory_bytes'] / 2**20:.0f} MiB ({record['peak_memory_kind']})")
     return record
@@ -553,19 +599,12 @@ def run(cfg: dict[str, Any], extra_callbacks: list | None = None) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("config keys and defaults:")
-        for key, value in DEFAULTS.items():
-            print(f"  --{key} {value!r}")
+    if "-h" in argv or "--help" in argv:
+        RecipeParser().print_help()
         return 0
     try:
-        cfg = load_config(argv)
-        run(cfg)
-    except RecipeError as e:
-        print(f"finetune.py: error: {e}", file=sys.stderr)
-        return 2
-    except ImportError as e:  # gnmr_hf's require() names the extra to install
+        run(load_config(argv))
+    except (RecipeError, ImportError) as e:  # gnmr_hf's require() names the extra to install
         print(f"finetune.py: error: {e}", file=sys.stderr)
         return 2
     return 0
