@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["GNMRConfig", "GNMRController"]
@@ -201,12 +202,8 @@ class GNMRController:
         self.num_units = int(num_units)
         self.config = config
         self.recoverable = self._recoverable_mask(recoverable)
-        self._num_recoverable = int(self.recoverable.sum())
-        alpha_init = config.alpha if config.alpha_init is None else config.alpha_init
-        beta_init = config.beta if config.beta_init is None else config.beta_init
-        values = {"zero": 0.0, "one": 1.0, "minus_one": -1.0, "inf": math.inf, "nan": math.nan,
-                  "alpha": config.alpha, "beta": config.beta, "alpha_init": alpha_init, "beta_init": beta_init}
-        self._const = {key: torch.tensor(v, dtype=torch.float64) for key, v in values.items()}
+        self._recoverable = self.recoverable.numpy().copy()
+        self._num_recoverable = int(self._recoverable.sum())
         self._reset_state()
 
     # ------------------------------------------------------------------ setup
@@ -240,23 +237,34 @@ class GNMRController:
     def _reset_state(self) -> None:
         U, W = self.num_units, self.config.window
         self.t = 0
-        self.active = self.initial_mask()
-        self._n_active = int(self.active.sum())
+        self._active = self.initial_mask().numpy()
+        self._n_active = int(self._active.sum())
         # running sum / count of the finite norms: the historical mean needs nothing more
-        self._norm_sum = torch.zeros(U, dtype=torch.float64)
-        self._norm_count = torch.zeros(U, dtype=torch.long)
+        self._norm_sum = np.zeros(U, dtype=np.float64)
+        self._norm_count = np.zeros(U, dtype=np.float64)
         # The last finite GNMR values per unit as W rows of shape [U], oldest first, zero-padded on
         # the old side. A Python list of rows makes the usual shift (every unit got a finite GNMR) a
-        # list rotation with no tensor work, and keeps every op at [U] (no intra-op threading).
-        # Units skip their non-finite steps independently; then only those keep their old column.
-        # The window sum adds the rows oldest-first (the padding zeros add exactly).
-        self._gnmr_window = [torch.zeros(U, dtype=torch.float64) for _ in range(W)]
-        self._gnmr_count = torch.zeros(U, dtype=torch.long)  # finite GNMR values ever pushed
-        self._locks = torch.zeros(U, dtype=torch.long)
+        # list rotation with no array work. Units skip their non-finite steps independently; then
+        # only those keep their old column. The window sum adds the rows oldest-first (the padding
+        # zeros add exactly), the order a plain sum over one unit's window list uses.
+        self._gnmr_window = [np.zeros(U, dtype=np.float64) for _ in range(W)]
+        self._gnmr_count = np.zeros(U, dtype=np.int64)  # finite GNMR values ever pushed
+        self._locks = np.zeros(U, dtype=np.int64)
+        self._refresh_flags()
         # run totals (Python ints)
         self._totals = dict.fromkeys(_TOTAL_KEYS, 0)
-        self._record_tensors: tuple | None = None
+        self._record_arrays: tuple | None = None
         self._record_cache: dict[str, Any] | None = None
+
+    def _refresh_flags(self) -> None:
+        # Facts about the state that let step() skip work. The first two are monotone (sums and
+        # counts only grow), so once true they stay true and cost nothing more to maintain.
+        # every unit has a positive historical mean: GNMR needs no "no history" / 0/0 fix-up
+        self._history_positive = bool(np.all(self._norm_sum > 0.0))
+        # every unit has a full window: the window mean divides by the constant `window`
+        self._window_full = bool(np.all(self._gnmr_count >= self.config.window))
+        # how many lock counters are non-zero: with none, a candidate is just a risky recoverable unit
+        self._n_locked = int(np.count_nonzero(self._locks))
 
     def initial_mask(self) -> torch.Tensor:
         """The mask for step 1: every recoverable unit if ``full_recovery_steps > 0``, else none."""
@@ -265,24 +273,34 @@ class GNMRController:
         return torch.zeros(self.num_units, dtype=torch.bool)
 
     @property
+    def active(self) -> torch.Tensor:
+        """The mask in effect for the next step (step t + 1), [U] bool (a copy)."""
+        return torch.from_numpy(self._active.copy())
+
+    @property
     def locks(self) -> torch.Tensor:
         """Lock counters L_b ([U] int64, a copy)."""
-        return self._locks.clone()
+        return torch.from_numpy(self._locks.copy())
 
     # ------------------------------------------------------------------ the step
 
-    def _as_norms(self, norms: Any) -> torch.Tensor:
+    def _as_norms(self, norms: Any) -> np.ndarray:
         if not isinstance(norms, torch.Tensor):
             norms = torch.as_tensor(norms)
-        if norms.dim() != 1 or norms.shape[0] != self.num_units:
+        if norms.ndim != 1 or norms.shape[0] != self.num_units:
             raise ValueError(
                 f"norms must be a 1-D tensor of shape [num_units] = [{self.num_units}], got shape {tuple(norms.shape)}"
             )
-        if norms.dtype.is_complex or norms.dtype == torch.bool:
-            raise ValueError(f"norms must be real numbers, got dtype {norms.dtype}")
-        # + 0.0 turns -0.0 into +0.0, so no signed zero reaches the histories (a window of -0.0
-        # values would otherwise divide into -inf)
-        return norms.detach().to(device="cpu", dtype=torch.float64) + self._const["zero"]
+        dtype = norms.dtype
+        if dtype not in _NUMPY_FLOATS:
+            if dtype.is_complex or dtype == torch.bool:
+                raise ValueError(f"norms must be real numbers, got dtype {dtype}")
+            norms = norms.to(torch.float64)  # bfloat16 and integer dtypes: NumPy cannot take them as they are
+        if norms.requires_grad:
+            norms = norms.detach()
+        # + 0.0 turns -0.0 into +0.0 (so no signed zero reaches the histories: a window of -0.0
+        # values would otherwise divide into -inf) and gives the step its own float64 copy
+        return np.add(norms.cpu().numpy(), 0.0, dtype=np.float64)
 
     def step(self, norms: torch.Tensor) -> torch.Tensor:
         """Take step t's per-unit gradient norms and return the mask for step t + 1.
@@ -295,80 +313,125 @@ class GNMRController:
         Returns:
             `torch.BoolTensor` [U] on the CPU: the units on the recovery path at the next step.
         """
+        # The arithmetic runs in NumPy float64 on the CPU: at the usual U (tens of layers) a step is
+        # a few dozen tiny array ops, NumPy's per-op cost is a fraction of torch's, and the common
+        # case (finite norms, warmed-up histories, no locks) skips the fix-ups it cannot need.
         n = self._as_norms(norms)
         cfg = self.config
         K = cfg.max_active
         t = self.t + 1
-        alpha_t, beta_t = cfg.thresholds(t)
-        c = self._const  # 0-dim float64 tensors: cheaper than wrapping Python scalars every op
-        alpha, beta = (c["alpha_init"], c["beta_init"]) if t <= cfg.init_steps else (c["alpha"], c["beta"])
-        # NaN compares False; -inf passes here but is caught by the negative check below
-        nonfinite = ~(n < c["inf"])
-
-        # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite history
-        # (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already right.
-        # Non-finite norms are overwritten with NaN afterwards.
-        gnmr = n / (self._norm_sum / self._norm_count)
-        gnmr.masked_fill_(gnmr != gnmr, c["one"]).masked_fill_(nonfinite, c["nan"])
-
-        # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
-        # k = 0 and 0/0. The rows are added oldest-first (the padding zeros add exactly), a fixed
-        # rounding order that a plain sum over a unit's window list reproduces bit for bit.
-        k = self._gnmr_count.clamp(max=cfg.window)
-        rows = self._gnmr_window
-        wsum = rows[0]
-        for row in rows[1:]:  # over the window (W rows), not over units
-            wsum = wsum + row
-        delta = gnmr / (wsum / k)
-        delta.masked_fill_(delta != delta, c["one"]).masked_fill_(nonfinite, c["nan"])
-
-        risk = torch.maximum(gnmr / alpha, delta / beta).masked_fill_(nonfinite, c["inf"])
-        risky = risk >= c["one"]
-        cand = (risky | self._locks.bool()) & self.recoverable
-        push = gnmr < c["inf"]  # GNMR >= 0 here; NaN and +inf stay out of the window
-        # the counts, taken before any state changes so that a bad input leaves the controller
-        # untouched; one count_nonzero per [U] mask (a stacked [6, U] sum costs no fewer ops and,
-        # past torch's parallel grain, hands work to a thread pool that stalls on a busy machine)
-        masks = (gnmr >= alpha, delta >= beta, nonfinite, cand, push, n < c["zero"])
-        over_gnmr, over_delta, n_nonfinite, n_cand, n_push, n_negative = (
-            torch.stack([m.count_nonzero() for m in masks]).tolist()
-        )
-        if n_negative:
+        alpha, beta = cfg.thresholds(t)
+        # one reduction tells whether every norm is finite (NaN and +-inf make the sum non-finite;
+        # so can an overflow, which only sends the step down the general path)
+        all_finite = math.isfinite(np.add.reduce(n))
+        if all_finite:
+            nonfinite, n_nonfinite = None, 0
+        else:
+            nonfinite = ~(n < math.inf)  # NaN compares False; -inf is caught just below
+            n_nonfinite = int(np.count_nonzero(nonfinite))
+        # fmin skips NaN, so one reduction finds any negative value (-inf included); checked before
+        # any state changes, so that a bad input leaves the controller untouched
+        if np.fmin.reduce(n) < 0.0:
+            n_negative = int(np.count_nonzero(n < 0.0))
             raise ValueError(f"norms must be >= 0 (they are L2 norms); got {n_negative} negative value(s)")
+
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite
+            # history (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already
+            # right. With a positive mean everywhere, a finite norm gives no NaN. Non-finite norms
+            # are overwritten with NaN afterwards.
+            gnmr = n / (self._norm_sum / self._norm_count)
+            if not (self._history_positive and all_finite):
+                gnmr[np.isnan(gnmr)] = 1.0
+            if n_nonfinite:
+                gnmr[nonfinite] = math.nan
+
+            # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
+            # k = 0 and 0/0, rows added oldest-first (a fixed rounding order, see _reset_state).
+            rows = self._gnmr_window
+            wsum = rows[0]
+            for row in rows[1:]:  # over the window (W rows), not over units
+                wsum = wsum + row
+            k = cfg.window if self._window_full else np.minimum(self._gnmr_count, cfg.window)
+            delta = gnmr / (wsum / k)
+            delta[np.isnan(delta)] = 1.0
+            if n_nonfinite:
+                delta[nonfinite] = math.nan
+
+            risk = np.maximum(gnmr / alpha, delta / beta)
+        if n_nonfinite:
+            risk[nonfinite] = math.inf
+        risky = risk >= 1.0
+        n_risky = int(np.count_nonzero(risky))
+        # GNMR >= alpha implies GNMR / alpha >= 1 (rounded division by a positive number is monotone
+        # and alpha / alpha = 1), and likewise for Delta: with no risky unit both counts are 0
+        over_gnmr = int(np.count_nonzero(gnmr >= alpha)) if n_risky else 0
+        over_delta = int(np.count_nonzero(delta >= beta)) if n_risky else 0
+        # A lock is only ever set on a selected (so recoverable) unit: with no risky unit and no lock
+        # there is no candidate, and the quiet step, the usual one, is done here.
+        if n_risky == 0 and self._n_locked == 0:
+            cand, n_cand = risky, 0
+        else:
+            cand = risky if self._n_locked == 0 else risky | (self._locks > 0)
+            if self._num_recoverable < self.num_units:
+                cand = cand & self._recoverable
+            n_cand = int(np.count_nonzero(cand))
 
         # top max_active candidates by R, ties to the lower index
         if n_cand <= K:
             selected = cand
         elif K == 0:
-            selected = torch.zeros_like(cand)
+            selected = np.zeros_like(cand)
         else:
             # the K-th largest R is the cut: everything above it is in, and of the units tied at
             # it, the lowest indices fill the remaining places (cumsum counts ties in index order)
-            key = risk.masked_fill(~cand, c["minus_one"])  # R >= 0, so non-candidates rank below all
-            cut = key.topk(K).values[-1]
+            key = np.where(cand, risk, -1.0)  # R >= 0, so non-candidates rank below all
+            cut = np.partition(key, self.num_units - K)[self.num_units - K]
             above = key > cut
             tied = key == cut
-            selected = above | (tied & (tied.cumsum(0) <= K - above.count_nonzero()))
+            selected = above | (tied & (np.cumsum(tied) <= K - np.count_nonzero(above)))
         n_selected = min(n_cand, K)
 
-        # locks, from the budgeted selection even during the warm-up
-        locks = (self._locks - 1).clamp_(min=0)
-        self._locks = locks.masked_fill_(selected & risky, cfg.lock_steps)
+        # locks, from the budgeted selection even during the warm-up (no candidate: all stay 0)
+        if cfg.lock_steps and n_cand:
+            locked_now = selected & risky
+            if self._n_locked:
+                locks = np.maximum(self._locks - 1, 0)
+                locks[locked_now] = cfg.lock_steps
+            else:
+                locks = locked_now * cfg.lock_steps
+            self._locks = locks
+            self._n_locked = int(np.count_nonzero(locks))
 
-        # histories: only finite norms, only finite GNMR values
-        self._norm_sum += n.masked_fill(nonfinite, c["zero"])
-        self._norm_count += ~nonfinite
+        # histories: only finite norms, only finite GNMR values (the counts are float64, so the
+        # mean needs no int-to-float conversion)
+        if n_nonfinite:
+            self._norm_sum += np.where(nonfinite, 0.0, n)
+            self._norm_count += ~nonfinite
+        else:
+            self._norm_sum += n
+            self._norm_count += 1.0
+        if not self._history_positive:
+            self._history_positive = bool(np.all(self._norm_sum > 0.0))
         shifted = rows[1:] + [gnmr]
-        if n_push < self.num_units:  # rare: some unit had a non-finite norm or an infinite GNMR
-            shifted = [torch.where(push, new_row, old_row) for new_row, old_row in zip(shifted, rows)]
+        # GNMR >= 0 here; NaN and +inf stay out of the window (with finite norms GNMR has no NaN, and
+        # the maximum would propagate one anyway)
+        if all_finite and np.maximum.reduce(gnmr) < math.inf:
+            self._gnmr_count += 1
+        else:  # rare: some unit had a non-finite norm or an infinite GNMR
+            push = gnmr < math.inf
+            shifted = [np.where(push, new_row, old_row) for new_row, old_row in zip(shifted, rows)]
+            self._gnmr_count += push
         self._gnmr_window = shifted
-        self._gnmr_count += push
+        if not self._window_full:
+            self._window_full = bool(np.minimum.reduce(self._gnmr_count) >= cfg.window)
 
         warmup = t + 1 <= cfg.full_recovery_steps
-        new = self.recoverable.clone() if warmup else selected
-        old = self.active
+        new = self._recoverable if warmup else selected
+        old = self._active
         n_new = self._num_recoverable if warmup else n_selected
-        n_switch = int((new ^ old).count_nonzero())
+        # an empty new mask switches exactly the units of the old one
+        n_switch = int(np.count_nonzero(new ^ old)) if warmup or n_selected else self._n_active
         n_old = self._n_active
         # |new| - |old| = promotions - demotions and |new ^ old| = promotions + demotions
         n_prom = (n_switch + n_new - n_old) // 2
@@ -385,15 +448,15 @@ class GNMRController:
         tot["hit_max_steps"] += int(hit_max)
 
         self.t = t
-        self.active = new
+        self._active = new
         self._n_active = n_new
         # the record's lists are built on first access: step() stays cheap at U = 10,000
-        self._record_tensors = (
-            t, new, old, selected, gnmr, delta, risk, warmup, alpha_t, beta_t,
+        self._record_arrays = (
+            t, new, old, selected, gnmr, delta, risk, warmup, alpha, beta,
             over_gnmr, over_delta, n_cand, hit_max, n_nonfinite,
         )
         self._record_cache = None
-        return new.clone()
+        return torch.from_numpy(new.copy())
 
     # ------------------------------------------------------------------ reporting
 
@@ -411,17 +474,17 @@ class GNMRController:
         for a non-finite norm's GNMR and Delta, +inf allowed; ``json.dumps`` writes them as
         NaN / Infinity).
         """
-        if self._record_tensors is None:
+        if self._record_arrays is None:
             return None
         if self._record_cache is None:
             (t, new, old, selected, gnmr, delta, risk, warmup, alpha_t, beta_t,
-             over_gnmr, over_delta, n_cand, hit_max, nonfinite) = self._record_tensors
+             over_gnmr, over_delta, n_cand, hit_max, nonfinite) = self._record_arrays
             self._record_cache = {
                 "step": t,
-                "active": new.nonzero().flatten().tolist(),
-                "promoted": (new & ~old).nonzero().flatten().tolist(),
-                "demoted": (old & ~new).nonzero().flatten().tolist(),
-                "selected": selected.nonzero().flatten().tolist(),
+                "active": np.flatnonzero(new).tolist(),
+                "promoted": np.flatnonzero(new & ~old).tolist(),
+                "demoted": np.flatnonzero(old & ~new).tolist(),
+                "selected": np.flatnonzero(selected).tolist(),
                 "warmup": warmup,
                 "over_gnmr": over_gnmr,
                 "over_delta": over_delta,
@@ -474,11 +537,11 @@ class GNMRController:
             "config": self.config.to_dict(),
             "recoverable": self.recoverable.tolist(),
             "t": self.t,
-            "active": self.active.tolist(),
+            "active": self._active.tolist(),
             "locks": self._locks.tolist(),
             "norm_sum": self._norm_sum.tolist(),
-            "norm_count": self._norm_count.tolist(),
-            "gnmr_window": torch.stack(self._gnmr_window, dim=1).tolist(),  # [U][W], oldest first
+            "norm_count": self._norm_count.astype(np.int64).tolist(),
+            "gnmr_window": np.stack(self._gnmr_window, axis=1).tolist(),  # [U][W], oldest first
             "gnmr_count": self._gnmr_count.tolist(),
             "totals": dict(self._totals),
         }
@@ -507,7 +570,7 @@ class GNMRController:
         if list(state["recoverable"]) != self.recoverable.tolist():
             raise ValueError("state was saved with a different set of recoverable units")
         U, W = self.num_units, self.config.window
-        window = torch.tensor(state["gnmr_window"], dtype=torch.float64)
+        window = np.asarray(state["gnmr_window"], dtype=np.float64)
         if window.shape != (U, W):
             raise ValueError(f"state gnmr_window has shape {tuple(window.shape)}, expected ({U}, {W})")
         missing = set(_TOTAL_KEYS) - set(state["totals"])
@@ -517,15 +580,16 @@ class GNMRController:
             if len(state[name]) != U:
                 raise ValueError(f"state {name} has length {len(state[name])}, expected {U}")
         self.t = int(state["t"])
-        self.active = torch.tensor(state["active"], dtype=torch.bool)
-        self._n_active = int(self.active.sum())
-        self._locks = torch.tensor(state["locks"], dtype=torch.long)
-        self._norm_sum = torch.tensor(state["norm_sum"], dtype=torch.float64)
-        self._norm_count = torch.tensor(state["norm_count"], dtype=torch.long)
-        self._gnmr_window = [row.clone() for row in window.T]
-        self._gnmr_count = torch.tensor(state["gnmr_count"], dtype=torch.long)
+        self._active = np.asarray(state["active"], dtype=bool)
+        self._n_active = int(self._active.sum())
+        self._locks = np.asarray(state["locks"], dtype=np.int64)
+        self._norm_sum = np.asarray(state["norm_sum"], dtype=np.float64)
+        self._norm_count = np.asarray(state["norm_count"], dtype=np.float64)
+        self._gnmr_window = [row.copy() for row in window.T]
+        self._gnmr_count = np.asarray(state["gnmr_count"], dtype=np.int64)
+        self._refresh_flags()
         self._totals = {key: int(state["totals"][key]) for key in _TOTAL_KEYS}
-        self._record_tensors = None
+        self._record_arrays = None
         self._record_cache = None
 
     @classmethod
@@ -542,9 +606,12 @@ class GNMRController:
     def __repr__(self) -> str:
         return (
             f"GNMRController(num_units={self.num_units}, recoverable={int(self.recoverable.sum())}, "
-            f"t={self.t}, active={self.active.nonzero().flatten().tolist()}, config={self.config})"
+            f"t={self.t}, active={np.flatnonzero(self._active).tolist()}, config={self.config})"
         )
 
+
+# dtypes NumPy holds natively: their tensors convert without a torch-side cast
+_NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
 
 _TOTAL_KEYS = (
     "gnmr_exceed",
