@@ -399,8 +399,14 @@ def test_errors(tiny_llama_dir, tmp_path, fp32):
     dual, _, _ = fp32
     with pytest.raises(ValueError, match="storage must be one of"):
         gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir, storage="gpu")
+    with pytest.raises(ValueError, match=r"found no layer.*\{'Linear': 29\}.*Supported: bitsandbytes\.Linear8bitLt"):
+        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, False), tiny_llama_dir)  # 4 x 7 projections + lm_head
+    from gnmr_hf.backends import bnb_int8
+
     with pytest.raises(ValueError, match="not loaded in 8-bit"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, False), tiny_llama_dir)
+        bnb_int8.prepare_dual_path(load(tiny_llama_dir, False), tiny_llama_dir)
+    with pytest.raises(ValueError, match="dtype must be a floating-point"):
+        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir, dtype=torch.int8)
     other = make_tiny_llama(tmp_path / "other", num_layers=NUM_LAYERS, hidden=32)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*shape \[32, 32\]"):
         gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), other)

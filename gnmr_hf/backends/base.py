@@ -1,14 +1,16 @@
 """Backend-agnostic control of dual-path modules.
 
 A *dual-path module* is any ``nn.Module`` that subclasses :class:`DualPathModule`: it runs a
-low-cost path by default and a recovery path after ``set_recovery(True)``. Each backend (INT8/BF16
-in :mod:`gnmr_hf.backends.bnb_int8`, saved-activation quantisation in
-:mod:`gnmr_hf.backends.act_quant`) lives in its own file; the functions here only find such modules
-inside the units and flip them, so the callback drives every backend through the same calls.
+low-cost path by default and a recovery path after ``set_recovery(True)``. Each backend (INT8 and
+4-bit bitsandbytes layers with the checkpoint's BF16 weight in :mod:`gnmr_hf.backends.bnb_int8` and
+:mod:`gnmr_hf.backends.bnb_4bit`, saved-activation quantisation in :mod:`gnmr_hf.backends.act_quant`)
+lives in its own file; the functions here only find such modules inside the units and flip them, so
+the callback drives every backend through the same calls. This module imports no backend.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -17,24 +19,59 @@ from torch import nn
 from gnmr_hf.units import Unit, UnitSpec, resolve_units
 
 
-class DualPathModule:
-    """Mixin for modules with a low-cost and a recovery path.
+class DualPathModule(metaclass=abc.ABCMeta):
+    """Abstract mixin for modules with a low-cost and a recovery path (combined with an ``nn.Module``).
 
     Subclasses implement :meth:`set_recovery` and :meth:`recovery_device_bytes` and keep
-    ``self.recovery`` (bool) true while the recovery path is selected.
+    ``self.recovery`` (bool) true while the recovery path is selected. (``ABCMeta`` rather than
+    ``abc.ABC``: the latter's empty ``__slots__`` would change the object layout of a subclass listing
+    this mixin first, and backends convert existing modules in place with a ``__class__`` swap.)
     """
 
     recovery: bool = False
 
-    def set_recovery(self, on: bool) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def set_recovery(self, on: bool) -> None:
+        """Select the recovery path (True) or the low-cost path (False) for the next forward."""
 
+    @abc.abstractmethod
     def recovery_device_bytes(self) -> int:
         """Bytes of accelerator (or, on CPU, process) memory currently held for the recovery path."""
-        return 0
+
+
+DORA_REFUSED = (
+    "{name}: DoRA (LoraConfig(use_dora=True)) is not supported over a dual-path layer: PEFT's DoRA takes "
+    "its weight norm (and, in training with LoRA dropout, its base output) from the quantised low-cost "
+    "weight, so a layer on the recovery path would mix the original weight with a norm of the quantised "
+    "one. Use plain LoRA (use_dora=False) with the dual path, or train DoRA on a model not prepared with "
+    "prepare_dual_path."
+)
+
+
+def check_adapters(module: nn.Module) -> list[DualPathModule]:
+    """The dual-path modules inside ``module``, refusing PEFT adapters that cannot run over them (DoRA).
+
+    Called by :func:`set_active_units` and :func:`recoverable_units` (so before any layer is put on
+    its recovery path, and when the callback sets up) and by ``prepare_dual_path``.
+
+    Raises:
+        ValueError: a LoRA layer with a DoRA magnitude vector wraps a dual-path module.
+    """
+    found = []
+    for name, m in module.named_modules():
+        if isinstance(m, DualPathModule):
+            found.append(m)
+        # PEFT's LoraLayer: `lora_magnitude_vector` holds one entry per DoRA adapter (duck-typed, so
+        # this module needs no peft import)
+        elif getattr(m, "lora_magnitude_vector", None) and isinstance(
+            getattr(m, "get_base_layer", lambda: None)(), DualPathModule
+        ):
+            raise ValueError(DORA_REFUSED.format(name=name or type(m).__name__))
+    return found
 
 
 def dual_path_modules(module: nn.Module) -> Iterator[DualPathModule]:
+    """Every dual-path module inside ``module`` (itself included)."""
     for m in module.modules():
         if isinstance(m, DualPathModule):
             yield m
@@ -65,7 +102,7 @@ def set_active_units(model: nn.Module, indices: Iterable[int], units: UnitSpec |
     resolved = _resolve(model, units)
     wanted = _check_indices(indices, len(resolved))
     for b, (name, unit) in enumerate(resolved):
-        mods = list(dual_path_modules(unit))
+        mods = check_adapters(unit)
         if b in wanted and not mods:
             raise ValueError(f"unit {b} ({name}) has no recovery path (no dual-path module inside it)")
         for m in mods:
@@ -74,13 +111,22 @@ def set_active_units(model: nn.Module, indices: Iterable[int], units: UnitSpec |
 
 
 def active_units(model: nn.Module, units: UnitSpec | list[Unit] = None) -> list[int]:
-    """Indices of the units currently on the recovery path."""
+    """Indices of the units currently on the recovery path.
+
+    Args:
+        model: a model holding dual-path modules (PEFT-wrapped or not).
+        units: the unit specification (see :func:`gnmr_hf.units.resolve_units`) or resolved units.
+    """
     return [b for b, (_, unit) in enumerate(_resolve(model, units)) if any(m.recovery for m in dual_path_modules(unit))]
 
 
 def recoverable_units(model: nn.Module, units: UnitSpec | list[Unit] = None) -> list[bool]:
-    """For each unit, whether it holds at least one dual-path module."""
-    return [any(True for _ in dual_path_modules(unit)) for _, unit in _resolve(model, units)]
+    """For each unit, whether it holds at least one dual-path module.
+
+    Raises:
+        ValueError: a unit holds an adapter that cannot run over a dual-path layer (see :func:`check_adapters`).
+    """
+    return [bool(check_adapters(unit)) for _, unit in _resolve(model, units)]
 
 
 def recovery_device_bytes(model: nn.Module) -> int:

@@ -1,24 +1,95 @@
 """``prepare_dual_path``: one public verb that picks the backend from the layers it finds.
 
-Like PEFT's ``dispatch_*`` chain in ``peft/tuners/lora/``, each backend is asked in turn whether the
-model holds layers it can give a recovery path; the first that does wins. Backends are imported only
-when asked, so a missing optional dependency (bitsandbytes) only matters for models that need it.
+Like PEFT's ``dispatch_*`` chain in ``peft/tuners/lora/``, each backend in :data:`BACKENDS` names the
+layer classes it gives a recovery path; the first backend whose layers the model holds wins. Layers are
+recognised by class name and defining package, so a plain model never imports bitsandbytes, and a
+backend module is imported only when its layers are found.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 
-def prepare_dual_path(model: nn.Module, recovery_source: str, storage: str = "host", **kwargs: Any) -> nn.Module:
+@dataclass(frozen=True)
+class Backend:
+    """One entry of the dispatch chain.
+
+    Args:
+        name: what the backend is, for messages (``"bitsandbytes INT8"``).
+        module: the module defining ``prepare_dual_path(model, recovery_source, storage=..., **kwargs)``.
+        package: the package that defines the layer classes (``"bitsandbytes"``).
+        layers: the class names (in ``package``) the backend gives a recovery path.
+    """
+
+    name: str
+    module: str
+    package: str
+    layers: tuple[str, ...]
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` is (a subclass of) one of this backend's layer classes."""
+        return any(c.__name__ in self.layers and c.__module__.split(".")[0] == self.package for c in type(module).__mro__)
+
+
+# First match wins. The MX low path (backends/mx.py) has its own prepare_mx for plain models; a backend
+# that converts quantised layers found in a loaded model goes into this list.
+BACKENDS: tuple[Backend, ...] = (
+    Backend("bitsandbytes INT8 (load_in_8bit)", "gnmr_hf.backends.bnb_int8", "bitsandbytes", ("Linear8bitLt",)),
+    Backend("bitsandbytes 4-bit NF4/FP4 (load_in_4bit)", "gnmr_hf.backends.bnb_4bit", "bitsandbytes", ("Linear4bit",)),
+)
+
+
+def find_backend(model: nn.Module) -> Backend:
+    """The first backend of :data:`BACKENDS` whose layers ``model`` holds.
+
+    Raises:
+        ValueError: no supported layer in the model; the message names the layer types found.
+    """
+    modules = list(model.modules())
+    for backend in BACKENDS:
+        if any(backend.matches(m) for m in modules):
+            return backend
+    found = Counter(type(m).__name__ for m in modules if isinstance(m, nn.Linear) or "Linear" in type(m).__name__)
+    supported = "; ".join(f"{b.package}.{'/'.join(b.layers)} ({b.name})" for b in BACKENDS)
+    raise ValueError(
+        f"prepare_dual_path found no layer it can give a recovery path in {type(model).__name__}: its linear "
+        f"layers are {dict(found) or 'none'}. Supported: {supported}. Load the model quantised, e.g. "
+        "from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True)), then call "
+        "prepare_dual_path with the checkpoint it was loaded from."
+    )
+
+
+def prepare_dual_path(
+    model: nn.Module, recovery_source: str | os.PathLike, storage: str = "host", **kwargs: Any
+) -> nn.Module:
     """Give every decoder layer of a quantised model a BF16 recovery path read from ``recovery_source``.
 
-    The backend is chosen from the layers the model holds: bitsandbytes ``Linear8bitLt`` (a model
-    loaded with ``BitsAndBytesConfig(load_in_8bit=True)``) goes to :mod:`gnmr_hf.backends.bnb_int8`.
-    See that backend's ``prepare_dual_path`` for the arguments.
-    """
-    from gnmr_hf.backends import bnb_int8
+    The backend is chosen from the layers the model holds (first match wins): bitsandbytes
+    ``Linear8bitLt`` (``BitsAndBytesConfig(load_in_8bit=True)``) goes to
+    :mod:`gnmr_hf.backends.bnb_int8`, ``Linear4bit`` (``load_in_4bit=True``, NF4 or FP4) to
+    :mod:`gnmr_hf.backends.bnb_4bit`.
 
-    return bnb_int8.prepare_dual_path(model, recovery_source=recovery_source, storage=storage, **kwargs)
+    Args:
+        model: the quantised transformers model (optionally wrapped by PEFT or DDP); converted in place.
+        recovery_source: the checkpoint the model was loaded from (folder, ``.safetensors`` file, or a
+            hub id in the local cache).
+        storage: ``"host"``, ``"device"`` or ``"disk"``: where the BF16 weights live between promotions.
+        **kwargs: passed to the backend's ``prepare_dual_path`` (``units``, ``dtype``).
+
+    Returns:
+        ``model``, converted in place.
+
+    Raises:
+        ValueError: the model holds no supported layer (the message names what it found), or the
+            backend's own checks fail.
+    """
+    backend = find_backend(model)
+    prepare = importlib.import_module(backend.module).prepare_dual_path
+    return prepare(model, recovery_source=recovery_source, storage=storage, **kwargs)

@@ -1,0 +1,339 @@
+"""The checkpoint-weight recovery path shared by the bitsandbytes backends (INT8 and 4-bit).
+
+A quantised linear layer (``Linear8bitLt``, ``Linear4bit``) keeps its quantised weight for the low-cost
+path; its recovery path is ``F.linear(x, W, bias)`` with ``W`` the **original weight read from the
+checkpoint's safetensors** (not a de-quantised copy). Everything about that weight is the same for
+every such backend and lives here once:
+
+- :class:`RecoveryWeight`: where the weight lives between promotions (``storage=``), the
+  compute-device copy while promoted, and the byte accounting;
+- :class:`CheckpointRecovery`: the mixin that turns an existing quantised layer into a dual-path
+  layer in place (``module.__class__`` is swapped, so the quantised parameters and their state stay),
+  with the switch, the recovery forward, the device moves and the refusal to have its weight rewritten;
+- :func:`attach_recovery`: the plan (every layer of a type inside the units, its checkpoint key,
+  checked before anything changes) and the conversion.
+
+Storage of the recovery weights (``storage=``):
+
+- ``"host"``: kept in CPU memory (pinned when CUDA is available); promotion copies it to the
+  layer's device (on a side CUDA stream, non-blocking; the forward waits on the copy's event) and
+  demotion frees the copy. On a CPU-only machine the copy is a real CPU copy, so timings and the
+  byte count model the accelerator case.
+- ``"device"``: always resident on the layer's device (fastest switch, no memory saving).
+- ``"disk"``: read from the safetensors file at each promotion, freed on demotion.
+
+The recovery weights are plain attributes, neither parameters nor buffers, so they never reach
+``state_dict``, the optimizer or DDP's buffer broadcast, and the adapter PEFT saves is a stock adapter.
+
+Paths change between optimizer steps only (the callback's job). Under gradient checkpointing the
+backward recomputes the forward with the path of that moment, so a switch between a step's forward
+and its backward would make the recomputation differ (non-reentrant checkpointing then raises).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gnmr_hf.backends.base import DORA_REFUSED, DualPathModule
+from gnmr_hf.backends.checkpoint import FLOAT_DTYPES, CheckpointIndex, canonical_name, find_key
+from gnmr_hf.units import UnitSpec, resolve_units, unwrap_model
+
+STORAGES = ("host", "device", "disk")
+
+MERGE_REFUSED = (
+    "{key}: the base weight of a dual-path layer cannot be replaced. PEFT's merge_adapter() / "
+    "merge_and_unload() would fold the LoRA delta into the quantised low-cost weight only, and a layer on "
+    "the recovery path would then run the checkpoint's original weight without the LoRA delta. Merge on a "
+    "stock base model instead (save the adapter with model.save_pretrained(adapter_dir) first):\n"
+    "    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16), "
+    "adapter_dir)\n"
+    "    merged = model.merge_and_unload()"
+)
+
+# one side stream per CUDA device for promotion copies, so they overlap the compute stream
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_stream(device: torch.device) -> Any:
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+class RecoveryWeight:
+    """One recovery tensor of the checkpoint, shared by every dual-path module that maps to it.
+
+    Holds the host copy (``"host"``), the resident copy (``"device"``) or nothing (``"disk"``), and the
+    compute-device copy while at least one module holding it is promoted. Tied weights (two modules,
+    one checkpoint tensor) are therefore stored and counted once.
+
+    Args:
+        index: the checkpoint.
+        key: the tensor's name in the checkpoint.
+        storage: ``"host"``, ``"device"`` or ``"disk"``.
+        dtype: the dtype the weight is kept and computed in.
+    """
+
+    def __init__(self, index: CheckpointIndex, key: str, storage: str, dtype: torch.dtype):
+        self.index = index
+        self.key = key
+        self.storage = storage
+        self.dtype = dtype
+        self.stored: torch.Tensor | None = None  # host copy ("host") or resident copy ("device")
+        self.live: torch.Tensor | None = None  # compute-device copy while promoted ("host", "disk")
+        self.ready: Any = None  # CUDA event the compute stream waits on before using `live`
+        self.holders: list[nn.Module] = []  # modules currently promoted with this tensor
+        self.owners: list[nn.Module] = []  # every module mapped to this tensor
+
+    def acquire(self, module: nn.Module, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The weight on ``device`` for ``module`` (copied there if needed) and the event to wait on."""
+        if module not in self.holders:
+            self.holders.append(module)
+        if self.storage == "device":
+            return self.stored, None
+        if self.live is None or self.live.device != device:
+            src = self.stored if self.storage == "host" else self.index.read(self.key, self.dtype)
+            if device.type == "cuda":
+                stream = _copy_stream(device)
+                with torch.cuda.stream(stream):
+                    self.live = src.to(device, non_blocking=True)
+                    self.ready = torch.cuda.Event()
+                    self.ready.record(stream)
+            else:
+                # a real copy on CPU too, so device bytes and switch times model the accelerator case
+                self.live = src.to(device, copy=True) if self.storage == "host" else src
+                self.ready = None
+        return self.live, self.ready
+
+    def release(self, module: nn.Module) -> None:
+        """``module`` no longer uses the device copy; the last holder frees it."""
+        if module in self.holders:
+            self.holders.remove(module)
+        if not self.holders:
+            self.live = None
+            self.ready = None
+
+    def device_bytes(self, module: nn.Module) -> int:
+        """Device bytes of this tensor, counted by one module only (so tied weights count once)."""
+        if self.storage == "device":
+            return self.stored.numel() * self.stored.element_size() if self.owners[0] is module else 0
+        if self.live is not None and self.holders and self.holders[0] is module:
+            return self.live.numel() * self.live.element_size()
+        return 0
+
+
+class CheckpointRecovery(DualPathModule):
+    """Mixin for a quantised linear layer whose recovery path runs on the checkpoint's original weight.
+
+    A backend declares ``class DualPathX(CheckpointRecovery, X)`` for a bitsandbytes layer class ``X``;
+    :func:`attach_recovery` converts existing ``X`` modules in place. ``recovery`` False: the stock
+    ``X`` forward. ``recovery`` True: ``F.linear(x, W, bias)`` with the module's own bias (so a bias
+    trained by PEFT's ``bias="all"`` is the same on both paths). Because the class still subclasses
+    ``X``, PEFT's own dispatcher wraps it with PEFT's stock LoRA layer for ``X``. The base weights stay
+    frozen; gradients flow to the input (and so to LoRA) on both paths.
+    """
+
+    _gnmr_source: RecoveryWeight
+    _gnmr_weight: torch.Tensor | None
+    _gnmr_ready: Any
+
+    @classmethod
+    def convert(cls, module: nn.Module, source: RecoveryWeight) -> nn.Module:
+        """Turn ``module`` into a dual-path module in place (returns the same object)."""
+        if isinstance(module, CheckpointRecovery):  # prepared before: drop the old recovery weight
+            module.set_recovery(False)
+            if module in module._gnmr_source.owners:
+                module._gnmr_source.owners.remove(module)
+        module.__class__ = cls
+        module._gnmr_source = source
+        module._gnmr_weight = None
+        module._gnmr_ready = None
+        module.recovery = False
+        source.owners.append(module)
+        return module
+
+    def set_recovery(self, on: bool) -> None:
+        """Select the recovery path (True) or the low-cost quantised path (False) for the next forward."""
+        on = bool(on)
+        if on == self.recovery:
+            return
+        if on:
+            self._gnmr_weight, self._gnmr_ready = self._gnmr_source.acquire(self, self.weight.device)
+        else:
+            self._gnmr_source.release(self)
+            self._gnmr_weight = None
+            self._gnmr_ready = None
+        self.recovery = on
+
+    def recovery_device_bytes(self) -> int:
+        """Bytes held on this layer's compute device for its recovery weight right now."""
+        return self._gnmr_source.device_bytes(self)
+
+    @property
+    def recovery_key(self) -> str:
+        """Name of the checkpoint tensor the recovery path uses."""
+        return self._gnmr_source.key
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.recovery:
+            return super().forward(x, *args, **kwargs)
+        w = self._gnmr_weight
+        if self._gnmr_ready is not None:
+            # the promotion copy ran on the side stream: order the compute stream after it, and tell
+            # the caching allocator the compute stream uses the block, so freeing it on demotion waits
+            stream = torch.cuda.current_stream(w.device)
+            stream.wait_event(self._gnmr_ready)
+            w.record_stream(stream)
+            self._gnmr_ready = None
+        bias = self.bias
+        if torch.is_autocast_enabled(x.device.type) or x.dtype == w.dtype:
+            if bias is not None and bias.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+                bias = bias.to(w.dtype)
+            return F.linear(x, w, bias)
+        # like the bitsandbytes layers, the output has the input's dtype; the product itself is in the
+        # weight's dtype, as in the unquantised model
+        out = F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
+        return out.to(x.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        device = self.weight.device
+        src = self._gnmr_source
+        # recovery weights are plain attributes (kept out of state_dict/DDP): follow the module's device
+        if src.storage == "device" and src.stored is not None and src.stored.device != device:
+            src.stored = src.stored.to(device)
+        if self.recovery and self._gnmr_weight is not None and self._gnmr_weight.device != device:
+            src.release(self)
+            self.recovery = False
+            self.set_recovery(True)
+        return out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # PEFT's merge (and unmerge) writes a new quantised weight into the base layer: refused, since the
+        # recovery path would keep the original weight without the LoRA delta. A parameter over the same
+        # storage (PEFT's dequantize_module_weight re-assigns `weight.to(device)` on CPU) changes nothing.
+        if name == "weight" and "_gnmr_source" in self.__dict__ and not _same_tensor(value, self._parameters.get("weight")):
+            raise ValueError(MERGE_REFUSED.format(key=self._gnmr_source.key))
+        super().__setattr__(name, value)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, recovery={self.recovery}, storage={self._gnmr_source.storage}, "
+            f"recovery_key={self._gnmr_source.key!r}"
+        )
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    return (
+        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+        and a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+    )
+
+
+def attach_recovery(
+    model: nn.Module,
+    recovery_source: str | os.PathLike,
+    layer_type: type[nn.Module],
+    dual_type: type[CheckpointRecovery],
+    storage: str = "host",
+    units: UnitSpec = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> nn.Module:
+    """Convert every ``layer_type`` module inside the units into ``dual_type``, reading its weight from
+    ``recovery_source``. Every check runs before any module is changed.
+
+    Args:
+        model: the quantised model (optionally wrapped by PEFT or DDP); converted in place and returned.
+        recovery_source: see :class:`~gnmr_hf.backends.checkpoint.CheckpointIndex`.
+        layer_type: the quantised layer class to give a recovery path (e.g. ``bnb.nn.Linear4bit``).
+        dual_type: its dual-path subclass.
+        storage: ``"host"``, ``"device"`` or ``"disk"`` (see the module docstring).
+        units: which modules are the units (default: the decoder layers).
+        dtype: the floating-point dtype the recovery weights are kept and computed in.
+
+    Raises:
+        ValueError: unknown ``storage`` or ``dtype``; no ``layer_type`` inside the units; a recovery
+            tensor missing from the checkpoint, of the wrong shape or not floating point; a PEFT DoRA
+            adapter over one of the layers.
+        FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
+    """
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    base = unwrap_model(model)
+    index = CheckpointIndex(recovery_source)
+    names = {id(m): canonical_name(n) for n, m in base.named_modules()}
+
+    plan: list[tuple[nn.Module, str]] = []
+    seen: set[int] = set()
+    for unit_name, unit in resolve_units(model, units):
+        for sub_name, m in unit.named_modules():
+            if not isinstance(m, layer_type) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            name = names.get(id(m)) or canonical_name(f"{unit_name}.{sub_name}")
+            plan.append((m, _checked_key(index, name, base, m)))
+    if not plan:
+        raise ValueError(
+            f"no bitsandbytes {layer_type.__name__} module inside the units: nothing to give a recovery path "
+            "(were the decoder layers skipped by llm_int8_skip_modules?)"
+        )
+    planned = {id(m) for m, _ in plan}
+    for name, m in model.named_modules():  # a model wrapped by PEFT before prepare: DoRA cannot run over it
+        if getattr(m, "lora_magnitude_vector", None) and id(m.get_base_layer()) in planned:
+            raise ValueError(DORA_REFUSED.format(name=name))
+
+    sources: dict[str, RecoveryWeight] = {}
+    for _m, key in plan:
+        if key not in sources:
+            sources[key] = RecoveryWeight(index, key, storage, dtype)
+    if storage != "disk":
+        pin = storage == "host" and torch.cuda.is_available()
+        devices = {key: m.weight.device for m, key in plan}
+        tensors = index.read_many(sources, dtype)
+        for key, src in sources.items():
+            t = tensors.pop(key)
+            if storage == "host":
+                src.stored = t.pin_memory() if pin else t
+            else:
+                src.stored = t.to(devices[key])
+    for m, key in plan:
+        dual_type.convert(m, sources[key])
+    return model
+
+
+def _checked_key(index: CheckpointIndex, name: str, base: nn.Module, m: nn.Module) -> str:
+    key = find_key(index, name, base)
+    if key is None:
+        raise ValueError(
+            f"recovery_source {index.source!r} has no tensor for {name}.weight "
+            f"(the checkpoint does not match the model; {len(index.file_of)} tensors, e.g. "
+            f"{sorted(index.file_of)[:3]})"
+        )
+    want = (m.out_features, m.in_features)
+    if index.shape_of[key] != want:
+        raise ValueError(
+            f"recovery tensor {key!r} in {index.source!r} has shape {list(index.shape_of[key])}, but "
+            f"{name} needs {list(want)} (the checkpoint does not match the model)"
+        )
+    if index.dtype_of[key] not in FLOAT_DTYPES:
+        raise ValueError(
+            f"recovery tensor {key!r} in {index.source!r} is stored as {index.dtype_of[key]}, "
+            "not a floating-point dtype: the recovery path needs the original unquantised weights"
+        )
+    bias_key = key[: -len("weight")] + "bias"
+    if m.bias is not None and bias_key in index and index.shape_of[bias_key] != (m.out_features,):
+        raise ValueError(
+            f"recovery tensor {bias_key!r} has shape {list(index.shape_of[bias_key])}, but {name} "
+            f"has a bias of shape {[m.out_features]}"
+        )
+    return key
