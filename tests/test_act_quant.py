@@ -178,3 +178,52 @@ def test_bad_bits():
         ActQuantLinear(4, 4, low_bits=9)
     with pytest.raises(ValueError, match="units"):
         prepare_act_quant(_tiny_llama(1), units="blocks")
+
+
+def test_peft_model_quantises_the_saved_input_of_lora_a():
+    """On a LoRA model the trainable gradient is LoRA's: lora_A's weight gradient is computed from the
+    quantised projection input (4 bits visibly further from the exact one than 8), lora_B's and the
+    forward are the stock ones, and the adapter is unchanged."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        torch.manual_seed(3)
+        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                              init_lora_weights=False)
+        return peft.get_peft_model(_tiny_llama(2), cfg)
+
+    model, ref = lora_model(), lora_model()
+    keys = list(peft.get_peft_model_state_dict(model))
+    units = prepare_act_quant(model)
+    assert [n for n, _ in units] == [f"base_model.model.model.layers.{i}.{p}" for i in (0, 1)
+                                     for p in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")]
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert units[0][1] is q and isinstance(q.lora_A["default"], ActQuantLinear)
+    assert type(q.base_layer) is nn.Linear  # the frozen base layer keeps its exact forward
+    assert type(model.base_model.model.model.layers[0].self_attn.k_proj) is nn.Linear  # no trainable weight
+    assert list(peft.get_peft_model_state_dict(model)) == keys
+    assert prepare_act_quant(model) == units  # a second call finds the same units
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref.zero_grad()
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    exact = {n: p.grad.clone() for n, p in ref.named_parameters() if p.requires_grad}
+    err = {}
+    for bits, active in ((4, []), (8, list(range(len(units))))):
+        set_active_units(model, active, units)
+        assert active_units(model, units) == active and q.lora_A["default"].bits == bits
+        model.zero_grad()
+        out = model(input_ids=ids, labels=ids)
+        assert torch.equal(out.logits, out_ref.logits)  # the forward is untouched
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert grads.keys() == exact.keys() and all(torch.isfinite(g).all() for g in grads.values())
+        a_err = [(grads[n] - exact[n]).norm() / exact[n].norm() for n in exact if "lora_A" in n]
+        # lora_B of the last layer sees exact activations and an exact upstream gradient
+        last_b = "base_model.model.model.layers.1.mlp.down_proj.lora_B.default.weight"
+        torch.testing.assert_close(grads[last_b], exact[last_b], rtol=1e-5, atol=1e-7)
+        err[bits] = max(a_err).item()
+        assert min(a_err) > 0  # every lora_A gradient changed
+    assert err[4] > 0.02 and err[8] < err[4] / 5
+    assert saved_activation_bytes(model) > 0

@@ -12,13 +12,15 @@ de-quantised ``x``. The input gradient ``grad_x = grad_out @ W`` does not need `
 
 Units are the projection *operators* (7 per LLaMA decoder layer: q, k, v, o, gate, up, down), so the
 controller runs at operator level; embeddings, norms and the LM head stay outside its action space.
+On a PEFT LoRA model the quantised activation is the one LoRA's trainable ``lora_A`` saves (see
+:func:`prepare_act_quant`).
 The modules subclass :class:`gnmr_hf.backends.base.DualPathModule`, so :func:`gnmr_hf.set_active_units`
 and the callback drive them exactly as they drive the INT8/BF16 backend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -211,50 +213,98 @@ def prepare_act_quant(
     units: str = "operators",
     filter_fn: Callable[[nn.Module, str], bool] = is_projection,
 ) -> list[Unit]:
-    """Give every projection of every decoder layer a saved-activation-quantised dual path.
+    """Give every trainable projection of every decoder layer a saved-activation-quantised dual path.
+
+    What is quantised is the saved input that a *trainable* weight's gradient is computed from:
+
+    - a plain model (the paper's stress bench, full training): each projection ``nn.Linear`` whose
+      weight requires grad is replaced by an :class:`ActQuantLinear` sharing its parameters;
+    - a PEFT LoRA model: the frozen base layer keeps its exact forward and saves nothing for a weight
+      gradient, so each LoRA-wrapped projection's ``lora_A`` linears (whose gradient is
+      ``grad_out^T @ x``, ``x`` being the projection's input) become :class:`ActQuantLinear`. ``lora_B``
+      sees ``lora_A(x)``, computed in the forward from the unquantised ``x``, so its gradient is the
+      stock one. The adapter's parameters and state-dict keys do not change. Projections without a
+      trainable weight (not targeted by LoRA) are left alone.
 
     Args:
         model: a LLaMA-style causal LM (plain or PEFT-wrapped); modified in place.
         low_bits: bits of the low-cost path (4 in the paper); None keeps activations unquantised.
         high_bits: bits of the recovery path (8 in the paper).
         units: ``"operators"`` (one unit per projection: 7 per LLaMA layer, in layer order and then
-            q, k, v, o, gate, up, down) or ``"layers"`` (one unit per decoder layer).
-        filter_fn: ``(module, qualified_name) -> bool`` choosing the linears to convert.
+            q, k, v, o, gate, up, down; for PEFT, the LoRA-wrapped projection) or ``"layers"`` (one
+            unit per decoder layer).
+        filter_fn: ``(module, qualified_name) -> bool`` choosing the projections (for a LoRA layer it
+            is asked about the wrapped base layer under the LoRA layer's name).
 
     Returns:
         The units as ``(qualified_name, module)`` pairs, ready for ``GNMRCallback(units=...)`` and
-        :func:`gnmr_hf.set_active_units`. Embeddings, norms and the head are never converted.
+        :func:`gnmr_hf.set_active_units`. Embeddings, norms and the head are never converted. Calling
+        it again returns the same units and leaves the modules converted before as they are.
+
+    Raises:
+        ValueError: bad ``units`` or bits; no trainable projection inside the decoder layers.
     """
     if units not in ("operators", "layers"):
         raise ValueError(f"units must be 'operators' or 'layers', got {units!r}")
     _check_bits("low_bits", low_bits)
     _check_bits("high_bits", high_bits)
-    layers = find_decoder_layers(model)
     out: list[Unit] = []
-    for layer_name, layer in layers:
-        found: list[tuple[str, nn.Module, str, nn.Linear]] = []
-        for rel, mod in layer.named_modules():
-            if isinstance(mod, ActQuantLinear) or not rel or not filter_fn(mod, f"{layer_name}.{rel}"):
-                continue
-            parent_rel, _, child = rel.rpartition(".")
-            parent = layer.get_submodule(parent_rel) if parent_rel else layer
-            found.append((f"{layer_name}.{rel}", parent, child, mod))
-        converted: list[tuple[str, ActQuantLinear]] = []
-        for fqn, parent, child, mod in found:
-            new = ActQuantLinear.from_linear(mod, low_bits=low_bits, high_bits=high_bits)
-            setattr(parent, child, new)
-            converted.append((fqn, new))
-        # also pick up modules converted by an earlier call, so calling twice is harmless
-        if not converted:
-            converted = [(f"{layer_name}.{rel}", m) for rel, m in layer.named_modules() if isinstance(m, ActQuantLinear)]
-        converted.sort(key=lambda item: _projection_rank(item[0]))
+    for layer_name, layer in find_decoder_layers(model):
+        ops = [
+            (f"{layer_name}.{rel}", _convert(layer, rel, mod, low_bits, high_bits))
+            for rel, mod in _projections(layer, layer_name, filter_fn)
+        ]
+        ops.sort(key=lambda item: _projection_rank(item[0]))
         if units == "operators":
-            out.extend(converted)
-        elif converted:
+            out.extend(ops)
+        elif ops:
             out.append((layer_name, layer))
     if not out:
-        raise ValueError("prepare_act_quant found no projection linears inside the decoder layers")
+        raise ValueError(
+            "prepare_act_quant found no projection with a trainable weight inside the decoder layers "
+            "(a PEFT model needs LoRA on the projections; a plain model needs them unfrozen)"
+        )
     return out
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    # PEFT's LoraLayer (duck-typed: no peft import): a ModuleDict of lora_A linears around a base layer
+    return isinstance(getattr(module, "lora_A", None), nn.ModuleDict) and hasattr(module, "get_base_layer")
+
+
+def _projections(
+    layer: nn.Module, layer_name: str, filter_fn: Callable[[nn.Module, str], bool]
+) -> list[tuple[str, nn.Module]]:
+    """The projections of one decoder layer that carry a trainable weight: LoRA layers or linears."""
+    found: list[tuple[str, nn.Module]] = []
+    lora_prefixes: list[str] = []
+    for rel, mod in layer.named_modules():
+        if not rel or any(rel.startswith(p) for p in lora_prefixes):
+            continue
+        if _is_lora_layer(mod):
+            lora_prefixes.append(rel + ".")  # its base layer and lora_A/B are handled through it
+            if len(mod.lora_A) and filter_fn(mod.get_base_layer(), f"{layer_name}.{rel}"):
+                found.append((rel, mod))
+        elif isinstance(mod, ActQuantLinear) or (
+            filter_fn(mod, f"{layer_name}.{rel}") and isinstance(mod, nn.Linear) and mod.weight.requires_grad
+        ):
+            found.append((rel, mod))
+    return found
+
+
+def _convert(layer: nn.Module, rel: str, mod: nn.Module, low_bits: int | None, high_bits: int | None) -> nn.Module:
+    """Convert one projection (see :func:`prepare_act_quant`) and return its unit module."""
+    if _is_lora_layer(mod):
+        for adapter, lin in mod.lora_A.items():
+            if not isinstance(lin, ActQuantLinear):
+                mod.lora_A[adapter] = ActQuantLinear.from_linear(lin, low_bits=low_bits, high_bits=high_bits)
+        return mod
+    if isinstance(mod, ActQuantLinear):
+        return mod
+    parent_rel, _, child = rel.rpartition(".")
+    new = ActQuantLinear.from_linear(mod, low_bits=low_bits, high_bits=high_bits)
+    setattr(layer.get_submodule(parent_rel) if parent_rel else layer, child, new)
+    return new
 
 
 def _projection_rank(fqn: str) -> tuple[int, str]:
@@ -275,13 +325,3 @@ def set_full_precision(model: nn.Module, on: bool) -> None:
 def saved_activation_bytes(model: nn.Module) -> int:
     """Bytes the act-quant modules saved for backward in their latest forward (summed)."""
     return sum(m.last_saved_bytes for m in act_quant_modules(model))
-
-
-def operator_units(model: nn.Module, names: Sequence[str] = PROJECTIONS) -> list[Unit]:
-    """The already-converted projection modules as operator units, in :func:`prepare_act_quant` order."""
-    out: list[Unit] = []
-    for layer_name, layer in find_decoder_layers(model):
-        mods = [(f"{layer_name}.{rel}", m) for rel, m in layer.named_modules()
-                if isinstance(m, ActQuantLinear) and rel.rsplit(".", 1)[-1] in names]
-        out.extend(sorted(mods, key=lambda item: _projection_rank(item[0])))
-    return out
