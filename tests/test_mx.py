@@ -73,6 +73,43 @@ def test_mx_fp8_e5m2_by_hand():
     assert got == [57344.0, 40960.0, 4.0, 6.0, 2**-16, 2**-15, 0.0]
 
 
+def _grid_from_codes(ebits: int, mbits: int, max_normal: float) -> list[tuple[float, int]]:
+    """Every non-negative element value with its mantissa code, from the bit-level definition."""
+    bias = 2 ** (ebits - 1) - 1
+    out = []
+    for e in range(2**ebits):
+        for m in range(2**mbits):
+            v = (m / 2**mbits) * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2**mbits) * 2.0 ** (e - bias)
+            if v <= max_normal:  # above it: the Inf/NaN codes of E4M3/E5M2
+                out.append((v, m))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mx_grid_and_round_half_even_from_the_codes(fmt):
+    spec = MX_FORMATS[fmt]
+    grid = _grid_from_codes(spec.ebits, spec.mbits, spec.max_normal)
+    # non-negative codes: 8 (FP4), 32 (FP6), 128 less E4M3's NaN, 128 less E5M2's Inf and 3 NaNs
+    sizes = {"mxfp4_e2m1": 8, "mxfp6_e2m3": 32, "mxfp6_e3m2": 32, "mxfp8_e4m3": 127, "mxfp8_e5m2": 124}
+    assert len(grid) == sizes[fmt] and grid[-1][0] == spec.max_normal
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    values, expected = [], []
+    for (a, ma), (b, _) in zip(grid, grid[1:]):
+        mid = (a + b) / 2  # exact in float32: at most 5 significant bits
+        below = torch.nextafter(f32(mid), f32(-math.inf)).item()  # one float32 ulp either side
+        above = torch.nextafter(f32(mid), f32(math.inf)).item()
+        values += [a, mid, below, above, -mid]
+        even = a if ma % 2 == 0 else b  # the tie goes to the even mantissa code
+        expected += [a, even, a, b, -even]
+    values += [spec.max_normal * 1.01, -spec.max_normal * 1.01]  # still in the top binade: saturates
+    expected += [spec.max_normal, -spec.max_normal]
+    # blocks of 2 whose first value 2^emax fixes the shared scale at 2^0, so the second is read off the grid
+    x = torch.tensor([[2.0**spec.emax, v] for v in values], dtype=torch.float32)
+    q = mx_fake_quantize(x, fmt, block_size=2)
+    assert torch.all(q[:, 0] == 2.0**spec.emax)
+    assert q[:, 1].tolist() == expected
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mx_shared_scale_is_power_of_two_of_block_max(fmt):
     # scaling a block by 2^k scales its quantised values by exactly 2^k (while E8M0 does not clamp)
@@ -128,7 +165,7 @@ def test_mx_keeps_dtype_and_shape(dtype):
     x = torch.randn(2, 3, 40, dtype=dtype)
     q = mx_fake_quantize(x, "mxfp6_e3m2")
     assert q.dtype == dtype and q.shape == x.shape and not q.requires_grad
-    torch.testing.assert_close(q.float(), mx_fake_quantize(x.float(), "mxfp6_e3m2"), rtol=0, atol=0)
+    assert torch.equal(q.float(), mx_fake_quantize(x.float(), "mxfp6_e3m2"))
 
 
 def test_mx_bad_arguments():

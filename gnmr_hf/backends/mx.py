@@ -17,7 +17,6 @@ Only torch is imported here; the module is usable for any ``nn.Module`` (pre-tra
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,7 @@ MX_FORMATS: dict[str, MXElementFormat] = {
 
 # E8M0 shared-scale exponent range (the biased code 255 is NaN)
 E8M0_MIN_EXP = -127
-E8M0_MAX_EXP = 127
+E8M0_MAX_EXP = 127  # cannot bind for float32 inputs: their floor(log2) is at most 127
 
 
 def mx_format(fmt: str | MXElementFormat, field: str = "fmt") -> MXElementFormat:
@@ -82,16 +81,18 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive integer (32 in OCP MX v1.0), got {block_size!r}")
 
 
-def _pow2(exp_int: torch.Tensor) -> torch.Tensor:
-    # exact 2^k as float32 for integer k in [-149, 127] (checked by the tests)
-    return torch.exp2(exp_int.to(torch.float32))
+# float32 exponent field: ``bits & _EXP_MASK`` reinterpreted as float32 is 2^floor(log2|v|) for a normal
+# v, 0 for zero and float32 subnormals, +inf for +-inf and NaN (bitwise AND is vectorised; shifts are not)
+_EXP_MASK = 0x7F800000
 
 
-def _blocks_and_scale(
-    x: torch.Tensor, spec: MXElementFormat, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` in float32 as ``[rows, n_blocks, block_size]`` (zero-padded), the E8M0 scale exponent
-    of each block and the scale itself (NaN for a block holding a NaN or Inf)."""
+def _pow2_floor(v: torch.Tensor) -> torch.Tensor:
+    return (v.view(torch.int32) & _EXP_MASK).view(torch.float32)
+
+
+def _blocks_and_scale(x: torch.Tensor, spec: MXElementFormat, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in float32 as ``[rows, n_blocks, block_size]`` (zero-padded) and each block's shared scale
+    ``[rows, n_blocks, 1]`` (+inf for a block holding a NaN or Inf)."""
     n = x.shape[-1] if x.dim() else 1
     xf = x.detach().to(torch.float32).reshape(-1, n)
     pad = (-n) % block_size
@@ -99,36 +100,25 @@ def _blocks_and_scale(
         # zero padding leaves every block maximum (and so every scale) unchanged
         xf = F.pad(xf, (0, pad))
     blocks = xf.reshape(xf.shape[0], -1, block_size)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [rows, n_blocks, 1]
-    # frexp: amax = m * 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1 (exact, subnormals included);
-    # an all-zero block gets e = 0, a harmless finite scale
-    _, e = torch.frexp(amax)
-    scale_exp = (e - 1 - spec.emax).clamp_(E8M0_MIN_EXP, E8M0_MAX_EXP)
-    scale = _pow2(scale_exp)
-    # a NaN or Inf anywhere in a block makes its shared scale NaN (E8M0 code 0xFF), so the whole block
-    # de-quantises to NaN, as in OCP MX v1.0 and torchao: an overflow surfaces instead of being clamped
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, math.nan))
-    return blocks, scale_exp, scale
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # X = 2^(floor(log2 amax) - emax). The E8M0 lower clamp (2^-127) also catches all-zero blocks and
+    # subnormal maxima; the upper one (2^127) cannot bind for finite float32 values, and a non-finite
+    # maximum keeps scale = +inf so that the whole block de-quantises to NaN (E8M0 code 0xFF)
+    scale = _pow2_floor(amax).mul_(2.0**-spec.emax).clamp_(min=2.0**E8M0_MIN_EXP)
+    return blocks, scale
 
 
 def _fake_quantize_f32(x: torch.Tensor, spec: MXElementFormat, block_size: int) -> torch.Tensor:
     """:func:`mx_fake_quantize` in float32, without the final cast (the GEMMs use it directly)."""
     shape = x.shape
     n = shape[-1] if x.dim() else 1
-    blocks, scale_exp, scale = _blocks_and_scale(x, spec, block_size)
-    inv_scale = _pow2(-scale_exp)
-
-    y = blocks * inv_scale
+    blocks, scale = _blocks_and_scale(x, spec, block_size)
+    y = blocks / scale  # exact: the scale is a power of two
     y.clamp_(-spec.max_normal, spec.max_normal)  # saturate at the largest normal (NaN stays NaN)
-    # round to nearest-even on the element grid: the spacing is 2^(max(floor(log2|y|), emin) - mbits);
-    # the float32 exponent field gives floor(log2|y|) for normals, and float32 subnormals are far
-    # below every element grid's spacing, so clamping their exponent at emin is exact
-    exp_field = (y.view(torch.int32) >> 23) & 0xFF  # biased float32 exponent
-    exp_field.clamp_(min=spec.emin + 127)
-    # 2^(mbits - e) built directly as float32 bits: biased exponent 127 + mbits - (exp_field - 127)
-    inv_step = ((254 + spec.mbits - exp_field) << 23).view(torch.float32)
-    y.mul_(inv_step).round_().div_(inv_step)  # torch.round is round-half-to-even
-    out = (y * scale).reshape(blocks.shape[0], -1)
+    # round to nearest-even on the element grid, whose spacing is 2^(max(floor(log2|y|), emin) - mbits)
+    step = _pow2_floor(y).mul_(2.0**-spec.mbits).clamp_(min=2.0 ** (spec.emin - spec.mbits))
+    y.div_(step).round_().mul_(step).mul_(scale)  # torch.round is round-half-to-even
+    out = y.reshape(blocks.shape[0], -1)
     if out.shape[1] != n:
         out = out[:, :n]
     return out.reshape(shape)
@@ -146,7 +136,8 @@ def mx_fake_quantize(x: torch.Tensor, fmt: str = "mxfp8_e4m3", block_size: int =
     - A ragged last block (``x.shape[-1] % block_size != 0``) is treated as if padded with zeros,
       which changes neither its maximum nor its other values.
     - An all-zero block stays zero.
-    - A NaN or +-Inf in a block makes the whole block NaN (its shared scale is NaN).
+    - A NaN or +-Inf in a block makes the whole block NaN (its shared scale is NaN); so do values
+      beyond the float32 range, which become Inf in the float32 computation.
     - The computation is done in float32 and the result is cast to the dtype of ``x``; MX values
       (at most 3 mantissa bits, power-of-two scales) are exact in BF16, so a BF16 input loses
       nothing beyond the MX rounding.
@@ -192,9 +183,8 @@ def mx_clamp_fraction(x: torch.Tensor, fmt: str = "mxfp8_e4m3", block_size: int 
     _check_block_size(block_size)
     if x.numel() == 0:
         return 0.0
-    blocks, scale_exp, _ = _blocks_and_scale(x, spec, block_size)
-    scaled = blocks.abs() * _pow2(-scale_exp)
-    return (scaled > spec.max_normal).sum().item() / x.numel()
+    blocks, scale = _blocks_and_scale(x, spec, block_size)
+    return (blocks.abs() / scale > spec.max_normal).sum().item() / x.numel()
 
 
 class _MXLinearFunction(torch.autograd.Function):
