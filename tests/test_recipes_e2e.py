@@ -1,5 +1,6 @@
-"""End-to-end recipe runs through ``accelerate launch`` on the real SmolLM2-135M-Instruct (CPU), the
-two-process gloo DDP run, and the dry run of bench/gpu_13b_shape.py.
+"""End-to-end recipe runs through ``accelerate launch`` on the real SmolLM2-135M-Instruct (CPU): the five
+precisions on one process, gnmr and gnmr-nf4 as two-process gloo DDP, the demo with --low nf4, and the
+dry run of bench/gpu_13b_shape.py.
 
 Runs are shortened with overrides (3 steps, 16 problems, batch 2, 64 tokens); each subprocess gets one
 OpenMP thread, which on a busy 2-core machine is several times faster than two competing ones.
@@ -8,6 +9,7 @@ OpenMP thread, which on a busy 2-core machine is several times faster than two c
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +23,8 @@ SHORT = ["--max_steps", "3", "--num_generated", "16", "--per_device_train_batch_
 RUN_FIELDS = {"status", "config", "config_file", "model_path", "versions", "device", "world_size",
               "num_train_examples", "global_step", "wall_time_s", "train_runtime_s", "final_loss", "first_loss",
               "mean_train_loss", "peak_memory_bytes", "peak_memory_kind", "gnmr_summary"}
+LAYERS = 30  # SmolLM2-135M's decoder layers
+PRECISIONS = ("bf16", "int8", "gnmr", "nf4", "gnmr-nf4")
 
 
 def _env() -> dict[str, str]:
@@ -35,29 +39,45 @@ def _launch(accelerate_config: str, recipe: str, out: Path, *extra: str) -> subp
            str(RECIPES / "accelerate" / accelerate_config), str(RECIPES / "finetune.py"),
            "--config", str(RECIPES / "smollm2-135m" / f"{recipe}.yaml"), "--output_dir", str(out),
            "--data_dir", str(out.parent / "data"), *SHORT, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "int8", "gnmr"])
-def test_smollm2_recipe_three_steps(precision, tmp_path, smollm2_dir):
-    out = tmp_path / precision
-    # the bf16 run also carries the callback monitor-only (gnmr_monitor): a trace without any switching
-    _launch("cpu.yaml", precision, out, *(["--gnmr_monitor", "true"] if precision == "bf16" else []))
+def _losses(out: Path) -> list[float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in history if "loss" in e]
 
+
+def _trace(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "gnmr_trace.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The five SmolLM2 recipes, 3 steps each on one process; bf16 carries the callback monitor-only."""
+    root = tmp_path_factory.mktemp("recipes")
+    out = {}
+    for precision in PRECISIONS:
+        out[precision] = root / precision
+        _launch("cpu.yaml", precision, out[precision], *(["--gnmr.monitor", "true"] if precision == "bf16" else []))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_smollm2_recipe_three_steps(runs, precision, smollm2_dir):
+    out = runs[precision]
     record = json.loads((out / "run.json").read_text())
     assert RUN_FIELDS <= set(record)
     assert record["status"] == "complete" and record["global_step"] == 3 and record["world_size"] == 1
-    assert record["config"]["precision"] == precision and record["config"]["max_steps"] == 3
+    assert record["config"]["script"]["precision"] == precision and record["config"]["training"]["max_steps"] == 3
+    assert record["config_file"] == str(RECIPES / "smollm2-135m" / f"{precision}.yaml")
     assert record["num_train_examples"] == 16
     assert record["versions"]["torch"] and record["versions"]["peft"]
-    assert record["peak_memory_kind"] == "peak RSS (CPU)" and record["peak_memory_bytes"] > 2**27
-    assert record["wall_time_s"] > 0
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    losses = [e["loss"] for e in history if "loss" in e]
-    assert len(losses) == 3 and all(0 < x < 20 for x in losses)
+    assert record["peak_memory_kind"] == "peak RSS (CPU)"
+    losses = _losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert record["final_loss"] == losses[-1] and record["first_loss"] == losses[0]
 
     # the adapter is a plain PEFT adapter: it loads on the BF16 base with stock PEFT, and training moved it
@@ -68,48 +88,86 @@ def test_smollm2_recipe_three_steps(precision, tmp_path, smollm2_dir):
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
     model = PeftModel.from_pretrained(base, str(out))
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
-    assert len(lora_b) == 30 * 7  # every projection of every decoder layer
+    assert len(lora_b) == LAYERS * 7  # every projection of every decoder layer
     assert all(torch.isfinite(p).all() for p in lora_b)
-    assert sum(int(p.count_nonzero()) for p in lora_b) > 0  # PEFT starts lora_B at zero
+    assert all(int(p.count_nonzero()) > 0 for p in lora_b)  # PEFT starts lora_B at zero
 
-    if precision == "gnmr":
-        lines = [json.loads(x) for x in (out / "gnmr_trace.jsonl").read_text().splitlines()]
+    if precision in ("gnmr", "gnmr-nf4"):
+        lines = _trace(out)
         assert [x["step"] for x in lines] == [1, 2, 3]
         for x in lines:
-            assert len(x["gnmr"]) == 30 and len(x["delta"]) == 30
-            assert len(x["active"]) <= 8  # maxO of the SmolLM2 recipe
-        assert lines[0]["gnmr"] == [1.0] * 30  # GNMR_{b,1} = 1
+            assert len(x["gnmr"]) == LAYERS and len(x["delta"]) == LAYERS
+            assert len(x["active"]) <= 8  # maxO of the SmolLM2 recipes
+        assert lines[0]["gnmr"] == [1.0] * LAYERS  # GNMR_{b,1} = 1
         summary = record["gnmr_summary"]["summary"]
         assert summary["steps"] == 3
-        # promotion ratio = active unit-steps / recoverable unit-steps (step 1 runs all on INT8)
+        # promotion ratio = active unit-steps / recoverable unit-steps (step 1 runs all on the low path)
         active_steps = sum(len(x["active"]) for x in lines[:-1])
-        assert summary["promotion_ratio"] == pytest.approx(active_steps / (30 * 3))
-        assert record["gnmr_summary"]["recoverable"] == [True] * 30
-
-        from gnmr_hf import plots
-
-        png = plots.plot_gnmr_heatmap(out / "gnmr_trace.jsonl", tmp_path / "heat.png")
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        png = plots.plot_loss_curves({"gnmr": out}, tmp_path / "loss.png")
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert summary["promotion_ratio"] == pytest.approx(active_steps / (LAYERS * 3))
+        assert record["gnmr_summary"]["recoverable"] == [True] * LAYERS
     elif precision == "bf16":
-        lines = [json.loads(x) for x in (out / "gnmr_trace.jsonl").read_text().splitlines()]
+        lines = _trace(out)
         assert [x["step"] for x in lines] == [1, 2, 3] and all(x["active"] == [] for x in lines)
-        assert all(len(x["gnmr"]) == 30 for x in lines) and lines[1]["gnmr"] != [1.0] * 30
-        assert record["gnmr_summary"]["recoverable"] == [False] * 30  # no dual path on a BF16 model
+        assert all(len(x["gnmr"]) == LAYERS for x in lines) and lines[1]["gnmr"] != [1.0] * LAYERS
+        assert record["gnmr_summary"]["recoverable"] == [False] * LAYERS  # no dual path on a BF16 model
     else:
         assert not (out / "gnmr_trace.jsonl").exists() and record["gnmr_summary"] is None
 
 
 @pytest.mark.slow
-def test_two_process_cpu_ddp(tmp_path):
+def test_first_step_losses_across_precisions(runs):
+    """Step 1 sees the same batch everywhere, with lora_B = 0 and nothing promoted yet: the GNMR runs' first
+    loss is their low path's exactly, and the quantised bases move it away from BF16's."""
+    first = {p: _losses(runs[p])[0] for p in PRECISIONS}
+    assert first["gnmr"] == first["int8"]
+    assert first["gnmr-nf4"] == first["nf4"]
+    assert first["nf4"] != first["bf16"] and first["int8"] != first["bf16"]
+    # same data and seed: the runs differ only by the base's rounding, a few percent of the loss
+    for p in ("int8", "nf4"):
+        assert first[p] == pytest.approx(first["bf16"], rel=0.1)
+
+
+@pytest.mark.slow
+def test_nf4_adapter_loads_on_a_4bit_base(runs, smollm2_dir):
+    import bitsandbytes as bnb
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    ids = AutoTokenizer.from_pretrained(smollm2_dir)("Question: 2 + 3?\nAnswer:", return_tensors="pt")["input_ids"]
+    outputs = {}
+    for name in ("nf4", "gnmr-nf4"):
+        base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16, quantization_config=q)
+        if not outputs:
+            with torch.no_grad():
+                outputs["base"] = base(input_ids=ids).logits.float()
+        model = PeftModel.from_pretrained(base, str(runs[name]))
+        assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj.base_layer, bnb.nn.Linear4bit)
+        with torch.no_grad():
+            outputs[name] = model(input_ids=ids).logits.float()
+        assert torch.isfinite(outputs[name]).all()
+        assert not torch.equal(outputs[name], outputs["base"])  # the adapter changes the 4-bit model
+    assert not torch.equal(outputs["nf4"], outputs["gnmr-nf4"])  # GNMR's BF16 steps trained another adapter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4"])
+def test_two_process_cpu_ddp(precision, tmp_path):
     out = tmp_path / "ddp"
-    proc = _launch("cpu-ddp.yaml", "int8", out, "--max_steps", "2")
+    proc = _launch("cpu-ddp.yaml", precision, out)
     record = json.loads((out / "run.json").read_text())
     # the Trainer saw a 2-process (gloo) world, and only rank 0 wrote the outputs
-    assert record["world_size"] == 2 and record["global_step"] == 2 and record["device"] == "cpu"
+    assert record["world_size"] == 2 and record["global_step"] == 3 and record["device"] == "cpu"
     assert (proc.stdout + proc.stderr).count("run.json: final loss") == 1
     assert (out / "adapter_model.safetensors").is_file()
+    losses = _losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    # one trace for both ranks: the promoted sets were agreed, so each line is written once
+    lines = _trace(out)
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert all(len(x["gnmr"]) == LAYERS and len(x["active"]) <= 8 for x in lines)
+    assert record["gnmr_summary"]["summary"]["steps"] == 3
 
 
 @pytest.mark.slow
@@ -121,7 +179,7 @@ def test_bench_13b_shape_dry_run(tmp_path):
     assert data["dry_run"] is True and data["layers"] == 2
     assert [r["precision"] for r in data["results"]] == ["bf16", "int8", "gnmr"]
     for r in data["results"]:
-        assert r["steps"] == 2 and r["median_step_s"] > 0 and r["peak_memory_gib"] > 0
+        assert r["steps"] == 2 and math.isfinite(r["final_loss"]) and r["peak_memory_gib"] > 0
     assert data["results"][2]["promotion_ratio"] is not None
     for precision in ("bf16", "int8", "gnmr"):
         assert f"{precision}: median step" in proc.stdout
@@ -138,30 +196,32 @@ def test_bench_13b_shape_without_gpu_says_so():
 
 
 @pytest.mark.slow
-def test_demo_end_to_end_and_resume(tmp_path):
+def test_demo_nf4_end_to_end_and_resume(tmp_path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "gnmr_hf.cli", "demo", "--out", str(out), "--precisions", "gnmr", "--max-steps", "2",
-           "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1", "--set", "num_generated=16",
-           "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64"]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    cmd = [sys.executable, "-m", "gnmr_hf.cli", "demo", "--out", str(out), "--low", "nf4", "--precisions",
+           "gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
+           "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
-    rows = json.loads((out / "summary.json").read_text())
-    assert [r["run"] for r in rows] == ["base (no fine-tune)", "gnmr"]
+    rows = json.loads((out / "summary_nf4.json").read_text())
+    assert [r["run"] for r in rows] == ["base (no fine-tune)", "gnmr-nf4"]
     base, gnmr = rows
-    assert gnmr["steps"] == 2 and gnmr["promotion_ratio"] is not None
-    assert 1 < base["wikitext_word_ppl"] < 1e4 and 1 < gnmr["wikitext_word_ppl"] < 1e4
+    record = json.loads((out / "gnmr-nf4" / "run.json").read_text())
+    assert gnmr["steps"] == 2 and gnmr["final_loss"] == record["final_loss"]
+    assert gnmr["promotion_ratio"] == record["gnmr_summary"]["summary"]["promotion_ratio"]
+    assert math.isfinite(base["wikitext_word_ppl"]) and math.isfinite(gnmr["wikitext_word_ppl"])
     assert base["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]  # the adapter changed the model
-    table = (out / "summary.md").read_text()
-    assert table.startswith("| run | steps | loss first -> last |") and "| gnmr | 2 |" in table
-    for png in ("loss_curves.png", "gnmr_heatmap.png"):
+    table = (out / "summary_nf4.md").read_text()
+    assert table.startswith("| run | steps | loss first -> last |") and "| gnmr-nf4 | 2 |" in table
+    for png in ("loss_curves_nf4.png", "gnmr_heatmap_nf4.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "eval" / "gnmr.json").is_file() and (out / "gnmr" / "gnmr_trace.jsonl").is_file()
+    assert (out / "eval" / "gnmr-nf4.json").is_file()
 
     # a second call finds the run and the evaluations complete and redoes neither
-    mtime = (out / "gnmr" / "run.json").stat().st_mtime
+    mtime = (out / "gnmr-nf4" / "run.json").stat().st_mtime
     second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "[demo] gnmr: complete in" in second.stdout and "skipped" in second.stdout
-    assert "[demo] eval gnmr:" in second.stdout and "exists, skipped" in second.stdout
-    assert (out / "gnmr" / "run.json").stat().st_mtime == mtime
-    assert json.loads((out / "summary.json").read_text()) == rows
+    assert "[demo] gnmr-nf4: complete in" in second.stdout and "skipped" in second.stdout
+    assert "[demo] eval gnmr-nf4:" in second.stdout and "exists, skipped" in second.stdout
+    assert (out / "gnmr-nf4" / "run.json").stat().st_mtime == mtime
+    assert json.loads((out / "summary_nf4.json").read_text()) == rows
