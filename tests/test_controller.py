@@ -1,4 +1,4 @@
-"""Hand-worked sequences for every rule of the GNMR controller (DESIGN.md section 2).
+"""Hand-worked sequences for every rule of the GNMR controller (docs/design.md).
 
 Every expected GNMR, Delta, risk and active set below is worked out by hand in the comments, from
 the rules, never recomputed with the controller's formula. Notation: n_t are the norms, g_t GNMR,
@@ -371,6 +371,7 @@ def test_summary_by_hand():
     assert ctrl.summary() == {
         "steps": 4,
         "promotion_ratio": 2 / 8,  # active unit-steps 0 + 0 + 1 + 1 over 4 steps x 2 units
+        "mean_active": 2 / 4,  # the same unit-steps per step
         "hit_max_rate": 3 / 4,
         "gnmr_exceedance_rate": 1 / 8,  # only u0 at t=2 (NaN does not exceed)
         "delta_exceedance_rate": 1 / 8,

@@ -1,6 +1,6 @@
 """Property tests of the GNMR controller, and a check against a loop-based reference.
 
-`Reference` below is written from DESIGN.md section 2's text, one unit at a time, with Python
+`Reference` below is written from the rules in docs/design.md, one unit at a time, with Python
 lists for the histories: deliberately simple, sharing nothing with the vectorised controller. On
 random sequences (NaN, Inf and zero norms included) both must give the same masks, GNMR, Delta
 and risk values, bit for bit (both add the histories oldest-first), and the same run summary.
@@ -19,7 +19,7 @@ from gnmr_hf.core.controller import GNMRConfig, GNMRController
 
 
 class Reference:
-    """DESIGN.md section 2, literally, one unit at a time."""
+    """The rules of docs/design.md, literally, one unit at a time."""
 
     def __init__(self, num_units: int, cfg: GNMRConfig, recoverable: list[bool]):
         self.U, self.cfg, self.rec = num_units, cfg, recoverable
@@ -93,6 +93,7 @@ class Reference:
         return {
             "steps": t,
             "promotion_ratio": self.active_unit_steps / (t * n_rec) if n_rec else 0.0,
+            "mean_active": self.active_unit_steps / t,
             "hit_max_rate": self.hit / t,
             "gnmr_exceedance_rate": self.over_g / (self.U * t),
             "delta_exceedance_rate": self.over_d / (self.U * t),

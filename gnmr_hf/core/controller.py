@@ -1,12 +1,13 @@
 """The GNMR controller core: risk scores, budgeted top-``max_active`` selection and lock counters.
 
-Pure PyTorch (no transformers, peft or bitsandbytes import). The rules are those of DESIGN.md
-section 2; where the paper is vague, that section decides, and the few cases it leaves open are
-settled in :class:`GNMRController`'s docstring.
+Pure: torch and NumPy only (no transformers, peft or bitsandbytes import). The rules are those
+of docs/design.md; where the paper is vague, that document decides, and the few cases it leaves
+open are settled in :class:`GNMRController`'s docstring.
 
-Everything is vectorised over units: one tensor op per rule, no Python loop over units. The
-statistics live on the CPU in float64; the norms arrive once per step as one small tensor, so
-the only device synchronisation is that copy.
+Everything is vectorised over units: one array op per rule, no Python loop over units. The
+statistics live on the CPU as NumPy float64 arrays (at tens of units a step is a few dozen tiny
+ops, where NumPy's per-op cost is a fraction of torch's); tensors come in and go out, the norms
+once per step as one small tensor, so the only device synchronisation is that copy.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class GNMRController:
     Call :meth:`step` once per optimizer step t = 1, 2, ... with the per-unit gradient norms n_t
     (pre-clip); it returns the units to run on the recovery path at step t + 1.
 
-    The rules (DESIGN.md section 2), per unit b:
+    The rules (docs/design.md), per unit b:
 
     * GNMR_t = n_t / mean(finite past n). With no finite past norm (always the case at t = 1, or
       when every earlier norm was non-finite) GNMR_t = 1: this gives GNMR_1 = 1 and treats a unit
@@ -504,7 +505,8 @@ class GNMRController:
 
         Keys: ``steps``; ``promotion_ratio`` = active unit-steps / recoverable unit-steps over the
         masks in effect during steps 1..t (the initial mask and the masks step() returned for steps
-        2..t); ``hit_max_rate`` = decisions whose budgeted selection filled ``max_active`` / steps;
+        2..t); ``mean_active`` = active unit-steps / t (the mean number of units on the recovery path
+        per step, what an equal-budget baseline matches); ``hit_max_rate`` = decisions whose budgeted selection filled ``max_active`` / steps;
         ``gnmr_exceedance_rate`` / ``delta_exceedance_rate`` = monitored unit-steps (U * t) with
         GNMR >= alpha_t / Delta >= beta_t (the paper's Table 3); ``switches`` = promotions +
         demotions decided so far (path changes between consecutive masks, steps 1 -> 2 .. t -> t+1);
@@ -515,6 +517,7 @@ class GNMRController:
         return {
             "steps": t,
             "promotion_ratio": tot["active_unit_steps"] / rec_unit_steps if rec_unit_steps else 0.0,
+            "mean_active": tot["active_unit_steps"] / t if t else 0.0,
             "hit_max_rate": tot["hit_max_steps"] / t if t else 0.0,
             "gnmr_exceedance_rate": tot["gnmr_exceed"] / (U * t) if t else 0.0,
             "delta_exceedance_rate": tot["delta_exceed"] / (U * t) if t else 0.0,

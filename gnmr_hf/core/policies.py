@@ -1,209 +1,295 @@
-"""Trigger policies: who goes on the recovery path next step, all under the same ``max_active`` budget.
+"""Trigger policies: who goes on the recovery path next step, GNMR and the baselines it is compared with.
 
-Every policy has the controller's duck-typed interface, so :class:`gnmr_hf.GNMRCallback` (``policy=``)
-and the stress recipe drive them through the same actuator:
+Every policy satisfies :class:`TriggerPolicy`, the interface :class:`gnmr_hf.GNMRCallback` (``policy=``)
+and the stress recipes drive, so all of them act through the same dual-path actuator:
 
-- ``initial_mask() -> bool[U]``: the active set for step 1;
+- ``initial_mask() -> bool[U]``: the units on the recovery path during step 1;
 - ``step(norms[U]) -> bool[U]``: given step t's per-unit gradient norms (pre-clip, after accumulation),
-  the active set for step t+1;
-- ``state_dict()`` / ``load_state_dict(sd)`` (JSON-safe, exact resume), ``last_record`` (per-step
-  record with the controller's keys) and ``summary()`` (promotion ratio, hit-maxO rate, switches, ...).
+  the units on the recovery path during step t + 1;
+- ``state_dict()`` / ``load_state_dict(state)``: a JSON-safe snapshot for exact resume;
+- ``last_record``: the record of the last step (the controller's keys: ``active``, ``promoted``,
+  ``demoted``, ``over_gnmr``, ``over_delta``, ``hit_max``, ``nonfinite``, ``gnmr``, ``delta``, ``risk``);
+- ``summary()``: run figures with the controller's definitions (promotion ratio, mean active units,
+  hit-maxO rate, exceedance rates, switches).
 
-Policies (paper section 5.1 and Appendix E.4/E.5):
+Two optional extensions, each with its own protocol: :class:`MicrobatchPolicy` (``needs_microbatch_norms``
+and ``observe_microbatch(sq_norms)``: the callback reports every micro-batch's squared per-unit gradient
+norms before ``step``) and :class:`GapPolicy` (``wants_gap(step)`` and ``observe_gap(gaps)``: the caller
+measures the per-unit recovery gap of :mod:`gnmr_hf.core.oracle` at the steps the policy asks for).
 
-- ``"gnmr"``: GNMR + Delta-GNMR, i.e. :class:`gnmr_hf.core.controller.GNMRController` itself.
-- ``"adapt"``: :class:`StaticSensitivityPolicy`, an ADAPT-style static baseline: profile each unit's
-  GNMR during a BF16 warm-up of ``warmup_steps`` steps, then fix the top 25 % (capped by max_active)
-  on the recovery path for the rest of the run.
-- ``"gsnr"``: :class:`GSNRPolicy`, a gradient signal-to-noise ranking from the micro-batch gradients
-  of each accumulation window; fills the budget every step with the lowest-GSNR units.
-- ``"random"``: :class:`RandomPolicy`, a seeded random ranking that fills the budget every step.
+The policies, by the name :func:`make_policy` knows them:
 
-The baselines also compute each unit's GNMR and Delta-GNMR (same definitions as the controller,
-DESIGN.md section 2) so that their records and summaries report threshold exceedance alike; those
-values do not influence their selections (except the static profile, which *is* mean GNMR).
+- ``"gnmr"``: GNMR + Delta-GNMR under the ``max_active`` budget with locks, i.e.
+  :class:`gnmr_hf.core.controller.GNMRController` itself (the paper's method; rules in docs/design.md).
+- ``"adapt"``: :class:`StaticSensitivityPolicy`, an ADAPT-style static baseline (paper Appendix E.4):
+  profile each unit's GNMR over a BF16 warm-up, then fix the top 25 % (capped by ``max_active``) on the
+  recovery path for the rest of the run.
+- ``"gsnr"``: :class:`GSNRPolicy`, the gradient signal-to-noise ranking (paper Appendix E.5): every step
+  the ``max_active`` units with the lowest GSNR over the accumulation window's micro-batches.
+- ``"random"``: :class:`RandomPolicy`, a seeded uniform draw of ``max_active`` units every step (the
+  paper's random baseline: the budget always full).
+- ``"random_budget"``: :class:`RandomBudgetPolicy`, a seeded uniform draw whose size follows a
+  deterministic schedule with a given, possibly fractional, mean number of recovery units per step:
+  the "same budget as GNMR actually used" baseline of the NF4 comparison (issue 13).
+- ``"static_set"``: :class:`StaticSetPolicy`, a fixed set of units on the recovery path every step
+  (for instance the units GNMR promoted most, see :func:`most_active_units`, or the first and last
+  layers, see :func:`edge_units`): does *which* units matter, or only how many?
+- ``"gap_profile"``: :class:`GapProfilePolicy`, the top-k units by their measured recovery gap (the
+  relative gradient error of the low path, :func:`gnmr_hf.core.oracle.recovery_gap`) averaged over a
+  window of measurements: a trigger that knows the gap, profiled over the first steps and optionally
+  refreshed every N steps (issue 13); with a window of 1 refreshed every step it is the previous
+  step's gap.
+
+The baselines report GNMR, Delta-GNMR and their exceedance counts like the controller does, so their
+records and summaries compare line for line; those figures come from an inner
+:class:`~gnmr_hf.core.controller.GNMRController` with ``max_active=0`` (one implementation of GNMR) and
+do not influence the selections, except the ADAPT-style profile, which *is* mean GNMR.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-POLICIES = ("gnmr", "adapt", "gsnr", "random")
+from gnmr_hf.core.controller import GNMRConfig, GNMRController
+
+__all__ = [
+    "POLICIES",
+    "GSNRPolicy",
+    "GapPolicy",
+    "GapProfilePolicy",
+    "MicrobatchPolicy",
+    "RandomBudgetPolicy",
+    "RandomPolicy",
+    "StaticSensitivityPolicy",
+    "StaticSetPolicy",
+    "TriggerPolicy",
+    "edge_units",
+    "make_policy",
+    "most_active_units",
+]
+
+POLICIES = ("gnmr", "adapt", "gsnr", "random", "random_budget", "static_set", "gap_profile")
+
+# GNMRConfig fields that shape the baselines' GNMR statistics (the budget and locks are the policy's own)
+_THRESHOLD_FIELDS = ("alpha", "alpha_init", "beta", "beta_init", "window", "init_steps")
 
 
-def _as_norms(norms: Any, num_units: int) -> list[float]:
-    t = torch.as_tensor(norms, dtype=torch.float64).detach().cpu().reshape(-1)
-    if t.numel() != num_units:
-        raise ValueError(f"expected {num_units} norms, got {t.numel()}")
-    return [float(v) for v in t]
+# ---------------------------------------------------------------------------------------------- protocols
 
 
-def _recoverable_list(recoverable: Sequence[bool] | None, num_units: int) -> list[bool]:
+@runtime_checkable
+class TriggerPolicy(Protocol):
+    """What the callback calls on a trigger policy (``isinstance`` works on any object)."""
+
+    num_units: int
+
+    def initial_mask(self) -> torch.Tensor:
+        """The units on the recovery path during step 1, a bool tensor [U]."""
+        ...
+
+    def step(self, norms: torch.Tensor) -> torch.Tensor:
+        """Take step t's per-unit gradient norms [U]; return the bool mask [U] for step t + 1."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-safe snapshot for exact resume."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (possibly after a JSON round trip)."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """Run figures (the controller's keys)."""
+        ...
+
+    @property
+    def last_record(self) -> dict[str, Any] | None:
+        """The record of the last step, or None before the first."""
+        ...
+
+
+@runtime_checkable
+class MicrobatchPolicy(TriggerPolicy, Protocol):
+    """A policy that also reads each micro-batch's squared per-unit gradient norms (GSNR)."""
+
+    needs_microbatch_norms: bool
+
+    def observe_microbatch(self, sq_norms: torch.Tensor) -> None:
+        """Add one micro-batch's per-unit squared gradient-contribution norms [U]."""
+        ...
+
+
+@runtime_checkable
+class GapPolicy(TriggerPolicy, Protocol):
+    """A policy fed measured per-unit recovery gaps (see :mod:`gnmr_hf.core.oracle`)."""
+
+    def wants_gap(self, step: int) -> bool:
+        """Whether the caller should measure the gap at ``step`` (1-based) before calling :meth:`step`."""
+        ...
+
+    def observe_gap(self, gaps: torch.Tensor) -> None:
+        """Take the per-unit gaps [U] measured at the step in progress."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _as_vector(values: Any, num_units: int, what: str) -> list[float]:
+    vec = torch.as_tensor(values).detach()
+    if vec.dim() != 1 or vec.shape[0] != num_units:
+        raise ValueError(f"{what} must be a 1-D tensor of shape [{num_units}], got shape {tuple(vec.shape)}")
+    return vec.to(device="cpu", dtype=torch.float64).tolist()
+
+
+def _recoverable_list(recoverable: Any, num_units: int) -> list[bool]:
     if recoverable is None:
         return [True] * num_units
-    rec = [bool(r) for r in recoverable]
-    if len(rec) != num_units:
-        raise ValueError(f"recoverable has {len(rec)} entries for {num_units} units")
+    rec = recoverable.tolist() if isinstance(recoverable, torch.Tensor) else list(recoverable)
+    if len(rec) != num_units or not all(isinstance(r, bool) for r in rec):
+        raise ValueError(f"recoverable must be {num_units} bools (one per unit), got {rec!r}")
     return rec
 
 
-class _GNMRMonitor:
-    """Per-unit GNMR and Delta-GNMR exactly as DESIGN.md section 2 defines them (no selection)."""
-
-    def __init__(self, num_units: int, window: int) -> None:
-        self.window = window
-        self.sums = [0.0] * num_units  # finite past norms
-        self.counts = [0] * num_units
-        self.recent: list[deque] = [deque(maxlen=window) for _ in range(num_units)]  # finite past GNMR
-
-    def update(self, norms: list[float]) -> tuple[list[float], list[float], list[bool]]:
-        gnmr, delta, nonfinite = [], [], []
-        for b, n in enumerate(norms):
-            if not math.isfinite(n):
-                # undefined, as in the controller: NaN never counts as a threshold exceedance
-                gnmr.append(math.nan)
-                delta.append(math.nan)
-                nonfinite.append(True)
-                continue
-            nonfinite.append(False)
-            if self.counts[b] == 0:
-                g = 1.0
-            else:
-                mean = self.sums[b] / self.counts[b]
-                g = n / mean if mean > 0 else (1.0 if n == 0 else math.inf)
-            if not self.recent[b]:
-                d = 1.0
-            else:
-                m = sum(self.recent[b]) / len(self.recent[b])
-                d = g / m if m > 0 else (1.0 if g == 0 else math.inf)
-            self.sums[b] += n
-            self.counts[b] += 1
-            if math.isfinite(g):
-                self.recent[b].append(g)
-            gnmr.append(g)
-            delta.append(d)
-        return gnmr, delta, nonfinite
-
-    def state_dict(self) -> dict:
-        return {"sums": list(self.sums), "counts": list(self.counts), "recent": [list(r) for r in self.recent]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.sums = [float(v) for v in sd["sums"]]
-        self.counts = [int(v) for v in sd["counts"]]
-        self.recent = [deque((float(v) for v in r), maxlen=self.window) for r in sd["recent"]]
+def _top_k(score: Sequence[float], k: int, eligible: Sequence[bool], highest: bool = True) -> list[int]:
+    """Indices (ascending) of the ``k`` eligible units with the highest (lowest) score, ties to the lower
+    index; a NaN score ranks first either way (an undefined score is treated as the riskiest)."""
+    sign = -1.0 if highest else 1.0
+    cand = [b for b, ok in enumerate(eligible) if ok]
+    cand.sort(key=lambda b: (-math.inf if math.isnan(score[b]) else sign * score[b], b))
+    return sorted(cand[:k])
 
 
 def _json_float(v: float) -> float | str:
-    # JSON has no inf/nan; keep them as strings so state_dict() survives json.dumps(allow_nan=False)
+    # JSON has no inf/nan; as strings the state survives json.dumps(allow_nan=False), and float() reads them
     return v if math.isfinite(v) else repr(v)
 
 
-def _from_json_float(v: float | str) -> float:
-    return float(v)
+def most_active_units(active_sets: Iterable[Iterable[int]], num_units: int, k: int) -> list[int]:
+    """The ``k`` units that were on the recovery path at the most steps (ties to the lower index).
+
+    For the static baseline "the k layers GNMR promoted most": pass the ``active`` index lists of a GNMR
+    run's trace (one per step).
+
+    Args:
+        active_sets: per step, the indices of the active units.
+        num_units: U.
+        k: how many units to return, 0 <= k <= U.
+    """
+    if not 0 <= k <= num_units:
+        raise ValueError(f"k must lie in [0, {num_units}], got {k!r}")
+    counts = [0] * num_units
+    for active in active_sets:
+        for b in active:
+            if not 0 <= b < num_units:
+                raise ValueError(f"unit index {b} outside [0, {num_units})")
+            counts[b] += 1
+    return _top_k([float(c) for c in counts], k, [True] * num_units)
 
 
-class _BudgetedPolicy:
-    """Shared bookkeeping: budget, records, summary, monitor; subclasses implement ``_select``."""
+def edge_units(num_units: int, k: int) -> list[int]:
+    """The first ``ceil(k / 2)`` and the last ``floor(k / 2)`` units: the "first and last layers" set.
+
+    Args:
+        num_units: U.
+        k: how many units, 0 <= k <= U.
+    """
+    if not 0 <= k <= num_units:
+        raise ValueError(f"k must lie in [0, {num_units}], got {k!r}")
+    first = (k + 1) // 2
+    return list(range(first)) + list(range(num_units - (k - first), num_units))
+
+
+# ---------------------------------------------------------------------------------------------- base
+
+
+class _BaselinePolicy:
+    """Budget, masks, records, summary and state shared by the baselines; subclasses implement ``_select``.
+
+    GNMR / Delta-GNMR statistics come from an inner :class:`GNMRController` with ``max_active=0``.
+    """
 
     name = "base"
     needs_microbatch_norms = False
 
-    def __init__(
-        self,
-        num_units: int,
-        max_active: int,
-        recoverable: Sequence[bool] | None = None,
-        alpha: float = 1.1,
-        beta: float = 1.5,
-        window: int = 5,
-        alpha_init: float | None = None,
-        beta_init: float | None = None,
-        init_steps: int = 0,
-    ) -> None:
-        if not isinstance(num_units, int) or num_units < 1:
-            raise ValueError(f"num_units must be a positive integer, got {num_units!r}")
-        if not isinstance(max_active, int) or isinstance(max_active, bool) or max_active < 0:
-            raise ValueError(f"max_active must be a non-negative integer, got {max_active!r}")
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        if not alpha > 0 or not beta > 0:
-            raise ValueError("alpha and beta must be positive")
+    def __init__(self, num_units: int, max_active: int, recoverable: Any = None, **thresholds: Any) -> None:
+        if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
+            raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}")
+        if isinstance(max_active, bool) or not isinstance(max_active, int) or max_active < 0:
+            raise ValueError(f"max_active must be an integer >= 0, got {max_active!r}")
+        unknown = sorted(set(thresholds) - set(_THRESHOLD_FIELDS))
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: unknown argument(s) {unknown}; "
+                             f"the GNMR statistics take {list(_THRESHOLD_FIELDS)}")
         self.num_units = num_units
         self.max_active = max_active
         self.recoverable = _recoverable_list(recoverable, num_units)
-        self.alpha = float(alpha)
-        self.beta = float(beta)
-        # the controller's two-stage thresholds, for the exceedance statistics only
-        self.alpha_init = self.alpha if alpha_init is None else float(alpha_init)
-        self.beta_init = self.beta if beta_init is None else float(beta_init)
-        self.init_steps = int(init_steps)
-        self.window = window
-        self._monitor = _GNMRMonitor(num_units, window)
-        self._mask = [False] * num_units
+        self._monitor = GNMRController(num_units, GNMRConfig(max_active=0, **thresholds))
+        self._mask = self._first_mask()
         self.last_record: dict[str, Any] | None = None
-        self._totals = {"steps": 0, "active": 0, "hit_max": 0, "promotions": 0, "demotions": 0,
-                        "over_gnmr": 0, "over_delta": 0, "nonfinite": 0}
+        self._totals = {"steps": 0, "active": 0, "hit_max": 0, "promotions": 0, "demotions": 0}
 
     @property
     def budget(self) -> int:
         """Units the policy may activate at once: ``min(max_active, recoverable units)``."""
         return min(self.max_active, sum(self.recoverable))
 
+    def _first_mask(self) -> list[bool]:
+        return [False] * self.num_units
+
     def initial_mask(self) -> torch.Tensor:
-        return torch.zeros(self.num_units, dtype=torch.bool)
+        """The units on the recovery path during step 1 (none, unless the policy says otherwise)."""
+        return torch.tensor(self._first_mask(), dtype=torch.bool)
 
-    def _top(self, score: list[float], k: int, highest: bool) -> list[int]:
-        """Indices of the k recoverable units with the highest (or lowest) score; ties: lower index."""
-        cand = [b for b in range(self.num_units) if self.recoverable[b]]
-        sign = -1.0 if highest else 1.0
-        cand.sort(key=lambda b: (sign * score[b] if not math.isnan(score[b]) else -math.inf, b))
-        return sorted(cand[:k])
+    def _check_ready(self) -> None:
+        """Raise ``ValueError`` if ``step`` cannot run now (called before any state changes)."""
 
-    def _select(self, norms: list[float], gnmr: list[float]) -> tuple[list[int], list[float]]:
+    def _select(self, t: int, norms: Any, stats: dict[str, Any]) -> tuple[list[int], list[float]]:
         raise NotImplementedError
 
     def step(self, norms: Any) -> torch.Tensor:
-        values = _as_norms(norms, self.num_units)
-        t = self._totals["steps"] + 1
-        gnmr, delta, nonfinite = self._monitor.update(values)
-        active, risk = self._select(values, gnmr)
+        """Take step t's per-unit gradient norms [U]; return the bool mask [U] for step t + 1."""
+        self._check_ready()
+        self._monitor.step(norms)  # validates the norms before anything else changes
+        stats = self._monitor.last_record
+        t = stats["step"]
+        active, risk = self._select(t, norms, stats)
         if len(active) > self.budget or any(not self.recoverable[b] for b in active):
             raise AssertionError(f"{self.name} selected {active} outside its budget")  # a bug, not user error
-        new = [b in set(active) for b in range(self.num_units)]
+        chosen = set(active)
+        new = [b in chosen for b in range(self.num_units)]
         promoted = [b for b in range(self.num_units) if new[b] and not self._mask[b]]
         demoted = [b for b in range(self.num_units) if self._mask[b] and not new[b]]
-        # every monitored unit counts, as in the controller's Table 3 figures
-        alpha, beta = (self.alpha_init, self.beta_init) if t <= self.init_steps else (self.alpha, self.beta)
-        over_g = sum(1 for g in gnmr if g >= alpha)
-        over_d = sum(1 for d in delta if d >= beta)
         hit = len(active) == self.max_active
         tot = self._totals
         tot["steps"] = t
         tot["active"] += sum(self._mask)  # the mask in effect during step t
         tot["promotions"] += len(promoted)
         tot["demotions"] += len(demoted)
-        self._mask = new
         tot["hit_max"] += int(hit)
-        tot["over_gnmr"] += over_g
-        tot["over_delta"] += over_d
-        tot["nonfinite"] += sum(nonfinite)
+        self._mask = new
         self.last_record = {
             "step": t,
-            "active": list(active),
+            "active": sorted(chosen),
             "promoted": promoted,
             "demoted": demoted,
-            "over_gnmr": over_g,
-            "over_delta": over_d,
+            "selected": sorted(chosen),
+            "warmup": False,
+            "over_gnmr": stats["over_gnmr"],
+            "over_delta": stats["over_delta"],
             "candidates": sum(self.recoverable),
             "hit_max": hit,
-            "nonfinite": sum(nonfinite),
-            "gnmr": gnmr,
-            "delta": delta,
+            "nonfinite": stats["nonfinite"],
+            "alpha_t": stats["alpha_t"],
+            "beta_t": stats["beta_t"],
+            "gnmr": stats["gnmr"],
+            "delta": stats["delta"],
             "risk": risk,
         }
         return torch.tensor(new, dtype=torch.bool)
@@ -211,96 +297,91 @@ class _BudgetedPolicy:
     def summary(self) -> dict[str, Any]:
         """Run figures with the controller's definitions (``GNMRController.summary``).
 
-        ``promotion_ratio`` = active unit-steps / recoverable unit-steps over the masks in effect
-        during steps 1..t; ``hit_max_rate`` = steps whose selection filled ``max_active`` / steps;
-        ``gnmr_exceedance_rate`` / ``delta_exceedance_rate`` = unit-steps (U * t) with GNMR >= alpha /
-        Delta >= beta; ``switches`` = promotions + demotions; ``nonfinite`` = non-finite unit-steps.
+        ``promotion_ratio`` = active unit-steps / recoverable unit-steps over the masks in effect during
+        steps 1..t; ``mean_active`` = active unit-steps / t; ``hit_max_rate`` = steps whose selection
+        filled ``max_active`` / steps; ``gnmr_exceedance_rate`` / ``delta_exceedance_rate`` = unit-steps
+        (U * t) with GNMR >= alpha_t / Delta >= beta_t; ``switches`` = promotions + demotions;
+        ``nonfinite`` = unit-steps with a non-finite norm.
         """
-        tot = self._totals
+        tot, stats = self._totals, self._monitor.summary()
         steps = tot["steps"]
         rec_steps = steps * sum(self.recoverable)
-        all_steps = steps * self.num_units
         return {
             "policy": self.name,
             "steps": steps,
             "promotion_ratio": tot["active"] / rec_steps if rec_steps else 0.0,
+            "mean_active": tot["active"] / steps if steps else 0.0,
             "hit_max_rate": tot["hit_max"] / steps if steps else 0.0,
-            "gnmr_exceedance_rate": tot["over_gnmr"] / all_steps if all_steps else 0.0,
-            "delta_exceedance_rate": tot["over_delta"] / all_steps if all_steps else 0.0,
+            "gnmr_exceedance_rate": stats["gnmr_exceedance_rate"],
+            "delta_exceedance_rate": stats["delta_exceedance_rate"],
             "switches": tot["promotions"] + tot["demotions"],
             "promotions": tot["promotions"],
             "demotions": tot["demotions"],
-            "nonfinite": tot["nonfinite"],
+            "nonfinite": stats["nonfinite"],
         }
 
-    # -- state -------------------------------------------------------------------------------------
-    def _extra_state(self) -> dict:
+    # -- state ---------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def _load_extra_state(self, sd: dict) -> None:
+    def _load_extra_state(self, state: Mapping[str, Any]) -> None:
         pass
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """A JSON-safe snapshot for exact resume (``last_record`` is a view of the last step, not part of it)."""
         return {
             "policy": self.name,
             "num_units": self.num_units,
             "mask": list(self._mask),
             "totals": dict(self._totals),
             "monitor": self._monitor.state_dict(),
-            "last_record": _jsonable_record(self.last_record),
             **self._extra_state(),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("policy") != self.name or sd.get("num_units") != self.num_units:
-            raise ValueError(f"state is for policy {sd.get('policy')!r} with {sd.get('num_units')} units, "
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same policy and number of units."""
+        if state.get("policy") != self.name or state.get("num_units") != self.num_units:
+            raise ValueError(f"state is for policy {state.get('policy')!r} with {state.get('num_units')} units, "
                              f"not {self.name!r} with {self.num_units}")
-        self._mask = [bool(v) for v in sd["mask"]]
-        self._totals = {k: int(v) for k, v in sd["totals"].items()}
-        self._monitor.load_state_dict(sd["monitor"])
-        rec = sd.get("last_record")
-        if rec is not None:
-            rec = dict(rec)
-            for key in ("gnmr", "delta", "risk"):
-                rec[key] = [_from_json_float(v) for v in rec[key]]
-        self.last_record = rec
-        self._load_extra_state(sd)
+        self._monitor.load_state_dict(state["monitor"])
+        self._mask = [bool(v) for v in state["mask"]]
+        self._totals = {k: int(v) for k, v in state["totals"].items()}
+        self.last_record = None
+        self._load_extra_state(state)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(num_units={self.num_units}, max_active={self.max_active}, "
+                f"steps={self._totals['steps']})")
 
 
-def _jsonable_record(rec: dict | None) -> dict | None:
-    if rec is None:
-        return None
-    out = dict(rec)
-    for key in ("gnmr", "delta", "risk"):
-        out[key] = [_json_float(v) for v in rec[key]]
-    return out
+# ---------------------------------------------------------------------------------------------- baselines
 
 
-class StaticSensitivityPolicy(_BudgetedPolicy):
+class StaticSensitivityPolicy(_BaselinePolicy):
     """ADAPT-style static baseline (paper Appendix E.4).
 
-    During the first ``warmup_steps`` steps (which the recipe runs in BF16) it records each unit's
-    GNMR; at the end of the warm-up it averages GNMR per unit, takes the top ``fraction`` of the
-    recoverable units (at least one, at most ``max_active``) and keeps exactly that set on the
-    recovery path for the rest of the run. It never changes after the warm-up.
+    During the first ``warmup_steps`` steps (which the recipe runs in BF16) it records each unit's GNMR;
+    at the end of the warm-up it averages GNMR per unit (a non-finite norm counts as 1e30, the riskiest),
+    takes the top ``fraction`` of the recoverable units (at least one, at most ``max_active``) and keeps
+    exactly that set on the recovery path for the rest of the run.
 
     Args:
-        num_units: U.
-        max_active: the budget maxO.
-        warmup_steps: W, the profiling steps (paper: 500).
-        fraction: share of units fixed at high precision (paper: 0.25).
-        recoverable: as for the controller.
-        thresholds: ``alpha``, ``beta``, ``window``, ``alpha_init``, ``beta_init``, ``init_steps`` as
-            in ``GNMRConfig``; they only feed the exceedance statistics.
+        num_units (`int`): U.
+        max_active (`int`): the budget maxO.
+        warmup_steps (`int`): the profiling steps W (paper: 500).
+        fraction (`float`, defaults to 0.25): share of the recoverable units fixed at high precision.
+        recoverable (*optional*): U bools; None means all.
+        **thresholds: ``alpha``, ``alpha_init``, ``beta``, ``beta_init``, ``window``, ``init_steps`` as in
+            ``GNMRConfig`` (the GNMR statistics).
     """
 
     name = "adapt"
 
     def __init__(self, num_units: int, max_active: int, warmup_steps: int, fraction: float = 0.25,
-                 recoverable: Sequence[bool] | None = None, **thresholds: Any) -> None:
+                 recoverable: Any = None, **thresholds: Any) -> None:
         super().__init__(num_units, max_active, recoverable, **thresholds)
-        if not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be a positive integer, got {warmup_steps!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
         self.warmup_steps = warmup_steps
@@ -314,59 +395,59 @@ class StaticSensitivityPolicy(_BudgetedPolicy):
         """True while the next step is still a warm-up (BF16) step."""
         return self._totals["steps"] < self.warmup_steps
 
-    def _select(self, norms, gnmr):
-        t = self._totals["steps"] + 1
+    def _select(self, t, norms, stats):
         if t <= self.warmup_steps:
-            for b, g in enumerate(gnmr):
-                if math.isfinite(g):
-                    self._gnmr_sum[b] += g
-                    self._gnmr_count[b] += 1
-                else:  # a non-finite step is as risky as it gets; count it at the top
-                    self._gnmr_sum[b] += 1e30
-                    self._gnmr_count[b] += 1
+            for b, g in enumerate(stats["gnmr"]):
+                self._gnmr_sum[b] += g if math.isfinite(g) else 1e30
+                self._gnmr_count[b] += 1
         score = [s / c if c else 0.0 for s, c in zip(self._gnmr_sum, self._gnmr_count)]
         if t < self.warmup_steps:
             return [], score
         if self.fixed is None:
             k = min(self.budget, max(1, math.ceil(self.fraction * sum(self.recoverable))))
-            self.fixed = self._top(score, k, highest=True)
+            self.fixed = _top_k(score, k, self.recoverable)
         return list(self.fixed), score
 
     def _extra_state(self):
         return {"gnmr_sum": list(self._gnmr_sum), "gnmr_count": list(self._gnmr_count), "fixed": self.fixed}
 
-    def _load_extra_state(self, sd):
-        self._gnmr_sum = [float(v) for v in sd["gnmr_sum"]]
-        self._gnmr_count = [int(v) for v in sd["gnmr_count"]]
-        self.fixed = None if sd["fixed"] is None else [int(v) for v in sd["fixed"]]
+    def _load_extra_state(self, state):
+        self._gnmr_sum = [float(v) for v in state["gnmr_sum"]]
+        self._gnmr_count = [int(v) for v in state["gnmr_count"]]
+        self.fixed = None if state["fixed"] is None else [int(v) for v in state["fixed"]]
 
 
-class GSNRPolicy(_BudgetedPolicy):
+class GSNRPolicy(_BaselinePolicy):
     """GSNR-style ranking (paper Appendix E.5): the noisiest units by gradient signal-to-noise ratio.
 
-    Over one accumulation window of K micro-batches with per-unit gradient contributions d_1..d_K
-    (the callback reports ``||d_k||^2`` through :meth:`observe_microbatch`) and accumulated
-    gradient G = sum_k d_k (whose norm ``step`` receives), the mean is G/K and the unbiased
-    variance is (sum_k ||d_k||^2 - ||G||^2 / K) / (K - 1), so
+    Over one accumulation window of K micro-batches with per-unit gradient contributions d_1..d_K (the
+    callback reports ``||d_k||^2`` through :meth:`observe_microbatch`) and accumulated gradient
+    G = sum_k d_k (whose norm ``step`` receives), the mean is G/K and the unbiased variance is
+    (sum_k ||d_k||^2 - ||G||^2 / K) / (K - 1), so
 
         GSNR = (||G||^2 / K^2) / ((sum_k ||d_k||^2 - ||G||^2 / K) / (K - 1)).
 
-    It is scale-free (the Trainer's 1/K loss scaling cancels). Every step the ``max_active`` units
-    with the lowest GSNR go on the recovery path. Needs K >= 2 (gradient accumulation).
+    It is scale-free (the Trainer's 1/K loss scaling cancels). Every step the ``max_active`` units with
+    the lowest GSNR go on the recovery path. Needs K >= 2 (gradient accumulation).
+
+    Args:
+        num_units (`int`): U.
+        max_active (`int`): the budget maxO.
+        recoverable (*optional*): U bools; None means all.
+        **thresholds: the GNMR statistics' thresholds, as for :class:`StaticSensitivityPolicy`.
     """
 
     name = "gsnr"
     needs_microbatch_norms = True
 
-    def __init__(self, num_units: int, max_active: int, recoverable: Sequence[bool] | None = None,
-                 **thresholds: Any) -> None:
+    def __init__(self, num_units: int, max_active: int, recoverable: Any = None, **thresholds: Any) -> None:
         super().__init__(num_units, max_active, recoverable, **thresholds)
         self._sq_sum = [0.0] * num_units
         self._micro = 0
 
     def observe_microbatch(self, sq_norms: Any) -> None:
-        """Add one micro-batch's per-unit squared gradient-contribution norms ``[U]``."""
-        values = _as_norms(sq_norms, self.num_units)
+        """Add one micro-batch's per-unit squared gradient-contribution norms [U]."""
+        values = _as_vector(sq_norms, self.num_units, "sq_norms")
         self._sq_sum = [s + v for s, v in zip(self._sq_sum, values)]
         self._micro += 1
 
@@ -381,75 +462,339 @@ class GSNRPolicy(_BudgetedPolicy):
             return math.inf if signal > 0 else 0.0
         return signal / var
 
-    def _select(self, norms, gnmr):
-        k = self._micro
-        if k < 2:
+    def _check_ready(self):
+        if self._micro < 2:
             raise ValueError(
-                f"GSNR needs the micro-batch gradients of an accumulation window (>= 2 micro-batches), got {k}; "
-                "use gradient_accumulation_steps >= 2"
+                f"GSNR needs the micro-batch gradients of an accumulation window (>= 2 micro-batches), got "
+                f"{self._micro}; use gradient_accumulation_steps >= 2"
             )
-        score = [self.gsnr(n, s, k) for n, s in zip(norms, self._sq_sum)]
+
+    def _select(self, t, norms, stats):
+        k = self._micro
+        values = _as_vector(norms, self.num_units, "norms")
+        score = [self.gsnr(n, s, k) for n, s in zip(values, self._sq_sum)]
         self._sq_sum = [0.0] * self.num_units
         self._micro = 0
-        return self._top(score, self.budget, highest=False), score
+        return _top_k(score, self.budget, self.recoverable, highest=False), score
 
     def _extra_state(self):
-        return {"sq_sum": list(self._sq_sum), "micro": self._micro}
+        return {"sq_sum": [_json_float(v) for v in self._sq_sum], "micro": self._micro}
 
-    def _load_extra_state(self, sd):
-        self._sq_sum = [float(v) for v in sd["sq_sum"]]
-        self._micro = int(sd["micro"])
+    def _load_extra_state(self, state):
+        self._sq_sum = [float(v) for v in state["sq_sum"]]
+        self._micro = int(state["micro"])
 
 
-class RandomPolicy(_BudgetedPolicy):
-    """Seeded random ranking: ``max_active`` recoverable units drawn uniformly every step."""
+class RandomPolicy(_BaselinePolicy):
+    """Seeded random ranking: ``max_active`` recoverable units drawn uniformly every step (the budget full).
+
+    Args:
+        num_units (`int`): U.
+        max_active (`int`): units drawn per step (capped by the recoverable units).
+        recoverable (*optional*): U bools; None means all.
+        seed (`int`, defaults to 0): the generator's seed.
+        **thresholds: the GNMR statistics' thresholds, as for :class:`StaticSensitivityPolicy`.
+    """
 
     name = "random"
 
-    def __init__(self, num_units: int, max_active: int, recoverable: Sequence[bool] | None = None,
-                 seed: int = 0, **thresholds: Any) -> None:
+    def __init__(self, num_units: int, max_active: int, recoverable: Any = None, seed: int = 0,
+                 **thresholds: Any) -> None:
         super().__init__(num_units, max_active, recoverable, **thresholds)
         self.seed = int(seed)
         self._gen = torch.Generator().manual_seed(self.seed)
 
-    def _select(self, norms, gnmr):
+    def _select(self, t, norms, stats):
         score = torch.rand(self.num_units, generator=self._gen, dtype=torch.float64).tolist()
-        return self._top(score, self.budget, highest=True), score
+        return _top_k(score, self.budget, self.recoverable), score
 
     def _extra_state(self):
         return {"seed": self.seed, "generator": self._gen.get_state().tolist()}
 
-    def _load_extra_state(self, sd):
-        self.seed = int(sd["seed"])
-        self._gen.set_state(torch.tensor(sd["generator"], dtype=torch.uint8))
+    def _load_extra_state(self, state):
+        self.seed = int(state["seed"])
+        self._gen.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
 
 
-def make_policy(name: str, num_units: int, config: Any, recoverable: Sequence[bool] | None = None,
-                warmup_steps: int | None = None, fraction: float = 0.25, seed: int = 0) -> Any:
+class RandomBudgetPolicy(_BaselinePolicy):
+    """Random units at a given mean budget: the same mean number of recovery unit-steps as a reference run.
+
+    The number of units on the recovery path during step s (s = 1, 2, ...) follows a deterministic schedule,
+
+        k_s = floor(m * s) - floor(m * (s - 1)),     m = ``mean_active``,
+
+    so every step has ``floor(m)`` or ``ceil(m)`` units and the first T steps hold exactly
+    ``floor(m * T)`` unit-steps: the mean over any run length is within 1 / T of m. m is read as the
+    nearest fraction with denominator at most 10^6 (0.29 is 29/100 exactly), so the schedule does not
+    depend on binary rounding. Which units: a uniform draw of k_s distinct recoverable units from a
+    seeded generator, fresh every step. The draw for step 1 happens at construction
+    (:meth:`initial_mask` returns it), the draw for step s + 1 in ``step(s)``.
+
+    To match a GNMR run, pass its ``summary()["mean_active"]`` (active unit-steps per step).
+
+    Args:
+        num_units (`int`): U.
+        mean_active (`float`): m >= 0, the mean number of recovery units per step.
+        recoverable (*optional*): U bools; None means all.
+        max_active (`int`, *optional*): the per-step cap, for ``hit_max`` and a check that
+            ``ceil(m) <= max_active``; defaults to ``ceil(m)``.
+        seed (`int`, defaults to 0): the generator's seed.
+        **thresholds: the GNMR statistics' thresholds, as for :class:`StaticSensitivityPolicy`.
+    """
+
+    name = "random_budget"
+
+    def __init__(self, num_units: int, mean_active: float, recoverable: Any = None, max_active: int | None = None,
+                 seed: int = 0, **thresholds: Any) -> None:
+        if isinstance(mean_active, bool) or not isinstance(mean_active, (int, float)) or not (
+            math.isfinite(mean_active) and mean_active >= 0
+        ):
+            raise ValueError(f"mean_active must be a finite number >= 0, got {mean_active!r}")
+        self.mean_active = Fraction(mean_active).limit_denominator(10**6)
+        ceil_m = math.ceil(self.mean_active)
+        max_active = ceil_m if max_active is None else max_active
+        self.seed = int(seed)
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._draw_for = 1  # the step the next draw is for
+        self._first: list[bool] | None = None
+        super().__init__(num_units, max_active, recoverable, **thresholds)
+        if ceil_m > self.budget:
+            raise ValueError(
+                f"mean_active={mean_active} needs up to {ceil_m} units in a step, more than the budget "
+                f"min(max_active={self.max_active}, recoverable units={sum(self.recoverable)})"
+            )
+
+    def count(self, step: int) -> int:
+        """k_s: the number of units on the recovery path during ``step`` (1-based)."""
+        m = self.mean_active
+        return math.floor(m * step) - math.floor(m * (step - 1))
+
+    def _draw(self) -> list[int]:
+        k = self.count(self._draw_for)
+        self._draw_for += 1
+        pool = [b for b in range(self.num_units) if self.recoverable[b]]
+        order = torch.randperm(len(pool), generator=self._gen).tolist()
+        return sorted(pool[i] for i in order[:k])
+
+    def _first_mask(self) -> list[bool]:
+        if self._first is None:
+            chosen = set(self._draw())
+            self._first = [b in chosen for b in range(self.num_units)]
+        return list(self._first)
+
+    def _select(self, t, norms, stats):
+        active = self._draw()
+        return active, [1.0 if b in active else 0.0 for b in range(self.num_units)]
+
+    def _extra_state(self):
+        return {"seed": self.seed, "generator": self._gen.get_state().tolist(), "draw_for": self._draw_for,
+                "first": self._first}
+
+    def _load_extra_state(self, state):
+        self.seed = int(state["seed"])
+        self._gen.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        self._draw_for = int(state["draw_for"])
+        self._first = [bool(v) for v in state["first"]]
+
+
+class StaticSetPolicy(_BaselinePolicy):
+    """A fixed set of units on the recovery path at every step, step 1 included.
+
+    Args:
+        num_units (`int`): U.
+        units (`Sequence[int]`): the unit indices (distinct, recoverable), e.g. :func:`most_active_units`
+            of a GNMR run or :func:`edge_units`.
+        recoverable (*optional*): U bools; None means all.
+        max_active (`int`, *optional*): the budget the set must fit in; defaults to ``len(units)``.
+        **thresholds: the GNMR statistics' thresholds, as for :class:`StaticSensitivityPolicy`.
+    """
+
+    name = "static_set"
+
+    def __init__(self, num_units: int, units: Sequence[int], recoverable: Any = None,
+                 max_active: int | None = None, **thresholds: Any) -> None:
+        if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
+            raise ValueError(f"units must be a sequence of unit indices, got {units!r}")
+        units = list(units)
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_units for b in units):
+            raise ValueError(f"units must be indices in [0, {num_units}), got {units}")
+        if len(set(units)) != len(units):
+            raise ValueError(f"units must be distinct, got {units}")
+        self.units = sorted(units)
+        super().__init__(num_units, len(units) if max_active is None else max_active, recoverable, **thresholds)
+        not_rec = [b for b in self.units if not self.recoverable[b]]
+        if not_rec:
+            raise ValueError(f"units {not_rec} have no recovery path (recoverable is False)")
+        if len(self.units) > self.max_active:
+            raise ValueError(f"{len(self.units)} units do not fit in max_active={self.max_active}")
+
+    def _first_mask(self) -> list[bool]:
+        chosen = set(self.units)
+        return [b in chosen for b in range(self.num_units)]
+
+    def _select(self, t, norms, stats):
+        return list(self.units), [1.0 if m else 0.0 for m in self._first_mask()]
+
+    def _extra_state(self):
+        return {"units": list(self.units)}
+
+    def _load_extra_state(self, state):
+        if [int(b) for b in state["units"]] != self.units:
+            raise ValueError(f"state is for the unit set {state['units']}, this policy holds {self.units}")
+
+
+class GapProfilePolicy(_BaselinePolicy):
+    """The ``k`` units with the largest measured recovery gap, averaged over a window of measurements.
+
+    The caller measures every unit's recovery gap (``gnmr_hf.core.oracle.recovery_gap``: the relative
+    gradient error of the low path, one extra recovery-path backward) at the steps :meth:`wants_gap`
+    names, and passes it to :meth:`observe_gap` before calling :meth:`step` for that step:
+
+    - steps 1..``profile_steps`` (the profile), then
+    - with ``refresh_every = N``, steps ``profile_steps + N``, ``profile_steps + 2N``, ... (the refresh).
+
+    Each ``step`` that follows a new measurement re-ranks the units by the mean of the last ``gap_window``
+    measurements (default: ``profile_steps``) and keeps the top ``k`` recoverable ones (ties to the lower
+    index) until the next measurement. So during the profile the set follows the measurements so far,
+    without refresh it is fixed from step ``profile_steps + 1`` on, and ``profile_steps = 1,
+    refresh_every = 1`` gives the previous step's gap. Before the first measurement nothing is
+    selected. A non-finite gap ranks as the largest. ``step`` raises ``ValueError`` when a wanted
+    measurement is missing.
+
+    Args:
+        num_units (`int`): U.
+        k (`int`): units kept on the recovery path (the budget).
+        profile_steps (`int`): P >= 1.
+        refresh_every (`int`, *optional*): N >= 1, or None for a profile fixed after step P.
+        gap_window (`int`, *optional*): measurements averaged, >= 1; defaults to P.
+        recoverable (*optional*): U bools; None means all.
+        **thresholds: the GNMR statistics' thresholds, as for :class:`StaticSensitivityPolicy`.
+    """
+
+    name = "gap_profile"
+
+    def __init__(self, num_units: int, k: int, profile_steps: int, refresh_every: int | None = None,
+                 gap_window: int | None = None, recoverable: Any = None, **thresholds: Any) -> None:
+        for field, value, optional in (("profile_steps", profile_steps, False), ("refresh_every", refresh_every, True),
+                                       ("gap_window", gap_window, True)):
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GapProfilePolicy.{field} must be an integer >= 1, got {value!r}")
+        super().__init__(num_units, k, recoverable, **thresholds)
+        self.k = k
+        self.profile_steps = profile_steps
+        self.refresh_every = refresh_every
+        self.gap_window = profile_steps if gap_window is None else gap_window
+        self._gaps: list[list[float]] = []  # the last `gap_window` measurements, oldest first
+        self._measured: int | None = None  # the step the latest measurement is for
+        self._selected: list[int] = []
+
+    def wants_gap(self, step: int) -> bool:
+        """Whether the gap should be measured at ``step`` (1-based): the profile and the refresh steps."""
+        if step <= self.profile_steps:
+            return True
+        return self.refresh_every is not None and (step - self.profile_steps) % self.refresh_every == 0
+
+    def observe_gap(self, gaps: Any) -> None:
+        """Take the per-unit recovery gaps [U] (>= 0; NaN/Inf rank as the largest) of the step in progress."""
+        values = _as_vector(gaps, self.num_units, "gaps")
+        if any(v < 0 for v in values):
+            raise ValueError("gaps must be >= 0 (relative gradient errors)")
+        values = [v if math.isfinite(v) else math.inf for v in values]
+        step = self._totals["steps"] + 1
+        if self._measured == step:
+            raise ValueError(f"the gap for step {step} was already observed")
+        self._gaps = (self._gaps + [values])[-self.gap_window:]
+        self._measured = step
+
+    def _check_ready(self):
+        step = self._totals["steps"] + 1
+        if self.wants_gap(step) and self._measured != step:
+            raise ValueError(f"gap_profile needs the measured gap at step {step}: call observe_gap() before step()")
+
+    def profile(self) -> list[float]:
+        """The per-unit mean gap over the current window (zeros before the first measurement)."""
+        if not self._gaps:
+            return [0.0] * self.num_units
+        return [sum(col) / len(col) for col in zip(*self._gaps)]
+
+    def _select(self, t, norms, stats):
+        score = self.profile()
+        if self._measured == t:
+            self._selected = _top_k(score, self.budget, self.recoverable)
+        return list(self._selected), score
+
+    def _extra_state(self):
+        return {"gaps": [[_json_float(v) for v in row] for row in self._gaps], "measured": self._measured,
+                "selected": list(self._selected)}
+
+    def _load_extra_state(self, state):
+        self._gaps = [[float(v) for v in row] for row in state["gaps"]]
+        self._measured = None if state["measured"] is None else int(state["measured"])
+        self._selected = [int(b) for b in state["selected"]]
+
+
+# ---------------------------------------------------------------------------------------------- factory
+
+
+def make_policy(
+    name: str,
+    num_units: int,
+    config: GNMRConfig,
+    recoverable: Sequence[bool] | None = None,
+    warmup_steps: int | None = None,
+    fraction: float = 0.25,
+    seed: int = 0,
+    *,
+    units: Sequence[int] | None = None,
+    mean_active: float | None = None,
+    profile_steps: int | None = None,
+    refresh_every: int | None = None,
+    gap_window: int | None = None,
+) -> TriggerPolicy:
     """Build a trigger policy by name under the budget and thresholds of a :class:`GNMRConfig`.
 
     Args:
-        name: one of ``"gnmr"``, ``"adapt"``, ``"gsnr"``, ``"random"``.
-        num_units: U.
-        config: a ``GNMRConfig``; ``max_active`` is the common budget, ``alpha``/``beta``/``window``
-            define the exceedance statistics of the baselines.
-        recoverable: per-unit flags (None: all).
-        warmup_steps: the ADAPT-style profiling length (required for ``"adapt"``).
-        fraction: share of units the ADAPT-style baseline fixes at high precision.
-        seed: the random policy's seed.
+        name (`str`): one of :data:`POLICIES` (see the module docstring).
+        num_units (`int`): U.
+        config (`GNMRConfig`): ``max_active`` is the common budget (the cap of ``"random_budget"``, the
+            size ``"gap_profile"`` keeps, the bound on a ``"static_set"``); ``alpha`` / ``beta`` /
+            ``window`` / ``*_init`` / ``init_steps`` define the baselines' GNMR statistics.
+        recoverable (*optional*): per-unit flags (None: all).
+        warmup_steps (`int`, *optional*): the ADAPT-style profiling length (required for ``"adapt"``).
+        fraction (`float`, defaults to 0.25): share of units the ADAPT-style baseline fixes.
+        seed (`int`, defaults to 0): the random policies' seed.
+        units (*optional*): the unit indices of ``"static_set"`` (required for it).
+        mean_active (`float`, *optional*): mean recovery units per step of ``"random_budget"`` (required).
+        profile_steps (`int`, *optional*): the profile length of ``"gap_profile"`` (required).
+        refresh_every (`int`, *optional*): ``"gap_profile"``'s refresh period (None: no refresh).
+        gap_window (`int`, *optional*): measurements ``"gap_profile"`` averages (None: ``profile_steps``).
     """
-    common = {"alpha": config.alpha, "beta": config.beta, "window": config.window, "alpha_init": config.alpha_init,
-              "beta_init": config.beta_init, "init_steps": config.init_steps}
+    if not isinstance(config, GNMRConfig):
+        raise TypeError(f"config must be a GNMRConfig, got {type(config).__name__}")
+    common = {f: getattr(config, f) for f in _THRESHOLD_FIELDS}
+    K = config.max_active
     if name == "gnmr":
-        from gnmr_hf.core.controller import GNMRController
-
         return GNMRController(num_units, config, recoverable=recoverable)
     if name == "adapt":
         if warmup_steps is None:
             raise ValueError("the 'adapt' policy needs warmup_steps")
-        return StaticSensitivityPolicy(num_units, config.max_active, warmup_steps, fraction, recoverable, **common)
+        return StaticSensitivityPolicy(num_units, K, warmup_steps, fraction, recoverable, **common)
     if name == "gsnr":
-        return GSNRPolicy(num_units, config.max_active, recoverable, **common)
+        return GSNRPolicy(num_units, K, recoverable, **common)
     if name == "random":
-        return RandomPolicy(num_units, config.max_active, recoverable, seed=seed, **common)
+        return RandomPolicy(num_units, K, recoverable, seed=seed, **common)
+    if name == "random_budget":
+        if mean_active is None:
+            raise ValueError("the 'random_budget' policy needs mean_active (e.g. a GNMR run's summary()['mean_active'])")
+        return RandomBudgetPolicy(num_units, mean_active, recoverable, max_active=K, seed=seed, **common)
+    if name == "static_set":
+        if units is None:
+            raise ValueError("the 'static_set' policy needs units (the unit indices to keep on the recovery path)")
+        return StaticSetPolicy(num_units, units, recoverable, max_active=K, **common)
+    if name == "gap_profile":
+        if profile_steps is None:
+            raise ValueError("the 'gap_profile' policy needs profile_steps")
+        return GapProfilePolicy(num_units, K, profile_steps, refresh_every, gap_window, recoverable, **common)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
