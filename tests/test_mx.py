@@ -287,6 +287,23 @@ def test_mx_linear_recovery_equals_bf16_linear():
     assert (low[0] - y).abs().max() > 1e-2 and (low[2] - gw).abs().max() > 1e-2
 
 
+def test_mx_linear_emulated_bf16_recovery_matches_native_bf16():
+    x, g = _inputs()
+    native = MXLinear.convert(_linear(), fmt="mxfp4_e2m1")
+    emulated = MXLinear.convert(_linear(), fmt="mxfp4_e2m1", emulate_bf16=True)
+    low = _fwd_bwd(emulated, x, g)
+    for m in (native, emulated):
+        m.set_recovery(True)
+    a, b = _fwd_bwd(native, x, g), _fwd_bwd(emulated, x, g)
+    for t_native, t_emu, t_low in zip(a, b, low):
+        assert t_emu.dtype == torch.float32 and torch.isfinite(t_emu).all()
+        assert torch.equal(t_emu, t_emu.bfloat16().float())  # BF16 values, as the native path gives
+        # equal up to FP32 accumulation order: within 1 BF16 ulp (2^-8 relative) of the native result
+        torch.testing.assert_close(t_emu, t_native, rtol=2**-7, atol=1e-6)
+        assert (t_emu - t_low).abs().max() > 1e-2  # and far from the MX low path
+    assert "emulate_bf16=True" in repr(emulated)
+
+
 def test_mx_linear_convert_keeps_parameters_and_quantises_in_eval():
     lin = _linear(bias=False)
     weight, keys = lin.weight, set(lin.state_dict())

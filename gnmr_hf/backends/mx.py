@@ -17,6 +17,7 @@ Only torch is imported here; the module is usable for any ``nn.Module`` (pre-tra
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,11 @@ class MXLinear(nn.Linear, DualPathModule):
     - Recovery path (``recovery = True``): input, weight and bias cast to bfloat16, ``F.linear`` in
       bfloat16 (autograd runs the backward GEMMs in bfloat16 too), output cast back to the input's
       dtype. The weights stay where they are, so :meth:`recovery_device_bytes` is 0.
+    - ``emulate_bf16 = True`` computes the same recovery path with float32 GEMMs on the
+      bfloat16-rounded operands, rounding the output (and, through the casts' backward, the
+      gradients) to bfloat16: BF16 storage with FP32 accumulation, as BF16 hardware does, equal to
+      the native path up to accumulation order. For CPUs without BF16 matrix units, where native
+      BF16 GEMMs run 10-100x slower than FP32 ones.
 
     Build one with :meth:`convert` (in place from an ``nn.Linear``) or like an ``nn.Linear``.
 
@@ -252,6 +258,7 @@ class MXLinear(nn.Linear, DualPathModule):
         fmt: the forward MX element format (see :data:`MX_FORMATS`).
         block_size: values per shared scale.
         backward_fmt: the element format of the backward GEMM operands; None means ``fmt``.
+        emulate_bf16: compute the recovery path with emulated rather than native BF16 GEMMs.
     """
 
     def __init__(
@@ -264,27 +271,34 @@ class MXLinear(nn.Linear, DualPathModule):
         fmt: str = "mxfp8_e4m3",
         block_size: int = 32,
         backward_fmt: str | None = None,
+        emulate_bf16: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_mx(fmt, block_size, backward_fmt)
+        self._init_mx(fmt, block_size, backward_fmt, emulate_bf16)
 
-    def _init_mx(self, fmt: str, block_size: int, backward_fmt: str | None) -> None:
+    def _init_mx(self, fmt: str, block_size: int, backward_fmt: str | None, emulate_bf16: bool) -> None:
         self.fmt = mx_format(fmt).name
         self.backward_fmt = mx_format(backward_fmt if backward_fmt is not None else fmt, "backward_fmt").name
         _check_block_size(block_size)
         self.block_size = block_size
+        self.emulate_bf16 = bool(emulate_bf16)
         self.recovery = False
 
     @classmethod
     def convert(
-        cls, linear: nn.Linear, fmt: str = "mxfp8_e4m3", block_size: int = 32, backward_fmt: str | None = None
+        cls,
+        linear: nn.Linear,
+        fmt: str = "mxfp8_e4m3",
+        block_size: int = 32,
+        backward_fmt: str | None = None,
+        emulate_bf16: bool = False,
     ) -> MXLinear:
         """Turn ``linear`` into an :class:`MXLinear` in place and return it.
 
         The module object, its parameters, hooks and any references to it are kept (its class is
         swapped), so optimizers and the state-dict keys are unaffected. Only a plain ``nn.Linear``
         (or an ``MXLinear``, which is re-configured) is accepted: subclasses such as quantised or
-        LoRA linears have their own forward.
+        LoRA linears have their own forward. The arguments are those of :class:`MXLinear`.
         """
         if type(linear) is not nn.Linear and not isinstance(linear, MXLinear):
             raise TypeError(
@@ -293,7 +307,7 @@ class MXLinear(nn.Linear, DualPathModule):
             )
         recovery = getattr(linear, "recovery", False)
         linear.__class__ = cls
-        linear._init_mx(fmt, block_size, backward_fmt)
+        linear._init_mx(fmt, block_size, backward_fmt, emulate_bf16)
         linear.recovery = recovery
         return linear
 
@@ -308,13 +322,20 @@ class MXLinear(nn.Linear, DualPathModule):
         if self.recovery:
             bf = torch.bfloat16
             bias = self.bias.to(bf) if self.bias is not None else None
+            if self.emulate_bf16:
+                f32 = torch.float32
+                bias = bias.to(f32) if bias is not None else None
+                out = F.linear(x.to(bf).to(f32), self.weight.to(bf).to(f32), bias)
+                return out.to(bf).to(x.dtype)
             return F.linear(x.to(bf), self.weight.to(bf), bias).to(x.dtype)
         return _MXLinearFunction.apply(x, self.weight, self.bias, self.fmt, self.backward_fmt, self.block_size)
 
     def extra_repr(self) -> str:
         bwd = "" if self.backward_fmt == self.fmt else f", backward_fmt={self.backward_fmt}"
+        emu = ", emulate_bf16=True" if self.emulate_bf16 else ""
         return (
-            f"{super().extra_repr()}, fmt={self.fmt}{bwd}, block_size={self.block_size}, recovery={self.recovery}"
+            f"{super().extra_repr()}, fmt={self.fmt}{bwd}, block_size={self.block_size}{emu}, "
+            f"recovery={self.recovery}"
         )
 
 
@@ -371,7 +392,10 @@ def _convert_norm(norm: nn.Module, fmt: str, block_size: int) -> nn.Module:
     cls = type(norm)
     if not isinstance(norm, MXNormMixin):
         if cls not in _NORM_CLASSES:
-            _NORM_CLASSES[cls] = type(f"MX{cls.__name__}", (MXNormMixin, cls), {"__module__": __name__})
+            # new_class picks the metaclass that fits both bases (DualPathModule's ABCMeta and the norm's)
+            _NORM_CLASSES[cls] = types.new_class(
+                f"MX{cls.__name__}", (MXNormMixin, cls), exec_body=lambda ns: ns.update(__module__=__name__)
+            )
         norm.__class__ = _NORM_CLASSES[cls]
         norm.recovery = False
     norm.mx_fmt = fmt
@@ -392,6 +416,7 @@ def prepare_mx(
     block_size: int = 32,
     quantize_norms: bool = False,
     backward_fmt: str | None = None,
+    emulate_bf16: bool = False,
 ) -> nn.Module:
     """Give every ``nn.Linear`` inside every unit an MX low path and a BF16 recovery path, in place.
 
@@ -409,6 +434,8 @@ def prepare_mx(
         quantize_norms: also fake-quantise the affine weight of the LayerNorm/RMSNorm layers inside
             the units on the low path (:class:`MXNormMixin`).
         backward_fmt: the element format of the backward GEMM operands; None means ``fmt``.
+        emulate_bf16: run the recovery path's GEMMs in float32 on BF16-rounded operands, with
+            BF16-rounded outputs (see :class:`MXLinear`); use it on CPUs without BF16 matrix units.
 
     Returns:
         ``model``, with the units on the low path; switch them with
@@ -448,7 +475,7 @@ def prepare_mx(
     if not linears:
         raise ValueError(f"prepare_mx found no nn.Linear inside the units {[n for n, _ in resolved][:4]}...")
     for _, lin in linears:
-        MXLinear.convert(lin, fmt=fmt, block_size=block_size, backward_fmt=backward_fmt)
+        MXLinear.convert(lin, fmt=fmt, block_size=block_size, backward_fmt=backward_fmt, emulate_bf16=emulate_bf16)
     for norm in norms:
         _convert_norm(norm, fmt, block_size)
     return model
