@@ -392,6 +392,47 @@ def test_adapter_round_trip_with_plain_peft(fp32, tiny_llama_dir, tmp_path, ids)
     assert (high - low).abs().max() > 1e-3
 
 
+# ---------------------------------------------------------------- merging and DoRA are refused
+
+
+def test_merge_is_refused_and_the_advised_merge_works(fp32, tiny_llama_dir, tmp_path, ids):
+    dual, _, _ = fp32
+    gnmr_hf.set_active_units(dual, [2])
+    before = logits(dual, ids)
+    for merge in (dual.merge_adapter, dual.merge_and_unload, lambda: dual.merge_and_unload(safe_merge=True)):
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"(?s)cannot be replaced.*merge_and_unload"
+                                                      r".*PeftModel\.from_pretrained"):
+            merge()
+        assert not any(getattr(m, "merged_adapters", []) for m in dual.modules())
+    assert isinstance(layers(dual)[2].mlp.up_proj.base_layer, DualPathLinear8bitLt)
+    try:
+        assert torch.equal(logits(dual, ids), before)  # nothing was changed by the refused merges
+        gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
+        high = logits(dual, ids)
+    finally:
+        gnmr_hf.set_active_units(dual, [])
+    # what the message advises: the adapter merged on a stock base is the all-promoted model
+    dual.save_pretrained(tmp_path / "adapter")
+    merged = peft.PeftModel.from_pretrained(load(tiny_llama_dir, False), tmp_path / "adapter").merge_and_unload()
+    assert not any("lora" in n for n, _ in merged.named_modules())
+    torch.testing.assert_close(logits(merged, ids), high, rtol=0, atol=1e-4)
+
+
+def test_dora_is_refused(tiny_llama_dir):
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, target_modules=LINEARS, use_dora=True)
+    dora = peft.get_peft_model(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir), cfg)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj: DoRA .*\(use_dora=False\)"):
+        gnmr_hf.set_active_units(dora, [0])
+    with pytest.raises(ValueError, match="DoRA"):
+        gnmr_hf.recoverable_units(dora)  # what the callback calls when it sets up
+    assert gnmr_hf.active_units(dora) == []
+    late = peft.get_peft_model(load(tiny_llama_dir, True), cfg)  # PEFT first, then prepare
+    with pytest.raises(ValueError, match="DoRA"):
+        gnmr_hf.prepare_dual_path(late, tiny_llama_dir)
+    assert not any(isinstance(m, DualPathLinear8bitLt) for m in late.modules())  # refused before converting
+
+
 # ---------------------------------------------------------------- clear errors
 
 

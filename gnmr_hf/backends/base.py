@@ -48,11 +48,15 @@ DORA_REFUSED = (
 )
 
 
-def check_adapters(module: nn.Module) -> list[DualPathModule]:
+def check_adapters(module: nn.Module, prefix: str = "") -> list[DualPathModule]:
     """The dual-path modules inside ``module``, refusing PEFT adapters that cannot run over them (DoRA).
 
     Called by :func:`set_active_units` and :func:`recoverable_units` (so before any layer is put on
     its recovery path, and when the callback sets up) and by ``prepare_dual_path``.
+
+    Args:
+        module: a unit (or a whole model).
+        prefix: the module's qualified name, for the message.
 
     Raises:
         ValueError: a LoRA layer with a DoRA magnitude vector wraps a dual-path module.
@@ -66,7 +70,7 @@ def check_adapters(module: nn.Module) -> list[DualPathModule]:
         elif getattr(m, "lora_magnitude_vector", None) and isinstance(
             getattr(m, "get_base_layer", lambda: None)(), DualPathModule
         ):
-            raise ValueError(DORA_REFUSED.format(name=name or type(m).__name__))
+            raise ValueError(DORA_REFUSED.format(name=".".join(p for p in (prefix, name) if p) or type(m).__name__))
     return found
 
 
@@ -102,7 +106,7 @@ def set_active_units(model: nn.Module, indices: Iterable[int], units: UnitSpec |
     resolved = _resolve(model, units)
     wanted = _check_indices(indices, len(resolved))
     for b, (name, unit) in enumerate(resolved):
-        mods = check_adapters(unit)
+        mods = check_adapters(unit, name)
         if b in wanted and not mods:
             raise ValueError(f"unit {b} ({name}) has no recovery path (no dual-path module inside it)")
         for m in mods:
@@ -126,7 +130,7 @@ def recoverable_units(model: nn.Module, units: UnitSpec | list[Unit] = None) -> 
     Raises:
         ValueError: a unit holds an adapter that cannot run over a dual-path layer (see :func:`check_adapters`).
     """
-    return [bool(check_adapters(unit)) for _, unit in _resolve(model, units)]
+    return [bool(check_adapters(unit, name)) for name, unit in _resolve(model, units)]
 
 
 def recovery_device_bytes(model: nn.Module) -> int:
