@@ -62,9 +62,8 @@ MX_FORMATS: dict[str, MXElementFormat] = {
     )
 }
 
-# E8M0 shared-scale exponent range (the biased code 255 is NaN)
+# smallest E8M0 shared-scale exponent (the range is [-127, 127]; the biased code 255 is NaN)
 E8M0_MIN_EXP = -127
-E8M0_MAX_EXP = 127  # cannot bind for float32 inputs: their floor(log2) is at most 127
 
 
 def mx_format(fmt: str | MXElementFormat, field: str = "fmt") -> MXElementFormat:
