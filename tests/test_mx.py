@@ -168,6 +168,16 @@ def test_mx_keeps_dtype_and_shape(dtype):
     assert torch.equal(q.float(), mx_fake_quantize(x.float(), "mxfp6_e3m2"))
 
 
+def test_mx_layouts_scalar_and_empty():
+    torch.manual_seed(0)
+    w = torch.randn(40, 48)
+    # blocks follow the last dimension of the tensor as given, strided or not
+    assert torch.equal(mx_fake_quantize(w.t(), "mxfp6_e2m3"), mx_fake_quantize(w.t().contiguous(), "mxfp6_e2m3"))
+    assert not torch.equal(mx_fake_quantize(w.t(), "mxfp6_e2m3"), mx_fake_quantize(w, "mxfp6_e2m3").t())
+    assert mx_fake_quantize(torch.tensor(5.0), "mxfp4_e2m1").item() == 4.0  # one block of one value
+    assert mx_fake_quantize(torch.empty(0, 8), "mxfp4_e2m1").shape == (0, 8)
+
+
 def test_mx_bad_arguments():
     with pytest.raises(ValueError, match="mxfp4_e2m1"):  # the message lists the formats
         mx_fake_quantize(torch.ones(4), "fp8")
