@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -140,12 +141,25 @@ def scenarios(draw):
     return U, cfg, recoverable, rows
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# the fast tier draws 40 scenarios per property; the slow tier checks the loop reference on 600 more
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+THOROUGH = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @SETTINGS
 @given(scenarios())
 def test_matches_loop_reference(scenario):
+    check_against_reference(scenario)
+
+
+@pytest.mark.slow
+@THOROUGH
+@given(scenarios())
+def test_matches_loop_reference_thoroughly(scenario):
+    check_against_reference(scenario)
+
+
+def check_against_reference(scenario):
     U, cfg, recoverable, rows = scenario
     ctrl = GNMRController(U, cfg, recoverable=recoverable)
     ref = Reference(U, cfg, recoverable)

@@ -228,10 +228,8 @@ def test_baseline_gnmr_statistics_match_controller():
     for n in _norm_stream(25, seed=2):
         ctrl.step(n)
         rnd.step(n)
-        torch.testing.assert_close(torch.tensor(rnd.last_record["gnmr"]), torch.tensor(ctrl.last_record["gnmr"]),
-                                   rtol=1e-12, atol=0)
-        torch.testing.assert_close(torch.tensor(rnd.last_record["delta"]), torch.tensor(ctrl.last_record["delta"]),
-                                   rtol=1e-12, atol=0)
+        for key in ("gnmr", "delta"):  # one implementation of GNMR: the same bits
+            assert [v.hex() for v in rnd.last_record[key]] == [v.hex() for v in ctrl.last_record[key]]
         assert rnd.last_record["over_gnmr"] == ctrl.last_record["over_gnmr"]
     for key in ("gnmr_exceedance_rate", "delta_exceedance_rate"):
         assert rnd.summary()[key] == pytest.approx(ctrl.summary()[key])
