@@ -464,6 +464,22 @@ def test_mx_quantize_norms_only_on_the_low_path():
     assert torch.equal(norm(x).detach(), plain)
 
 
+def test_mx_prepared_model_deepcopies_and_pickles():
+    import copy
+    import io
+
+    model = prepare_mx(ResidualMLP(), "mxfp4_e2m1", quantize_norms=True)
+    set_active_units(model, [1])
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(5))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert type(other.blocks[0].norm) is type(model.blocks[0].norm)
+        assert active_units(other) == [1] and other.blocks[0].norm.weight is not model.blocks[0].norm.weight
+        assert torch.equal(_out(other, x), _out(model, x))
+
+
 def test_mx_norms_left_alone_without_quantize_norms():
     model = prepare_mx(ResidualMLP(), "mxfp8_e4m3")
     assert type(model.blocks[0].norm) is nn.LayerNorm

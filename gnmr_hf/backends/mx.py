@@ -350,18 +350,25 @@ class MXNormMixin(DualPathModule):
     bias no gradient in its MX backward.
 
     Mixed into the norm's own class by :func:`prepare_mx` (``type(norm)`` becomes a subclass of it),
-    so ``isinstance`` checks, parameter names and the state-dict keys are unchanged. Such modules
-    pickle only in a process where :func:`prepare_mx` built the same class; save state dicts.
+    so ``isinstance`` checks, parameter names and the state-dict keys are unchanged. Such a module
+    pickles (``torch.save(model)``, ``copy.deepcopy``) as its original norm class plus this mixin,
+    rebuilt on load.
     """
 
     mx_fmt: str = "mxfp8_e4m3"
     mx_block_size: int = 32
+
+    _mx_base: type = nn.Module  # the norm's original class, set on each generated class
 
     def set_recovery(self, on: bool) -> None:
         self.recovery = bool(on)
 
     def recovery_device_bytes(self) -> int:
         return 0
+
+    def __reduce_ex__(self, protocol):
+        # the generated class has no importable name; pickle the original class and re-apply the mixin
+        return (_unpickle_mx_norm, (self._mx_base, self.__dict__))
 
     def forward(self, *args, **kwargs):
         weight = self._parameters.get("weight")
@@ -387,15 +394,25 @@ def is_norm(module: nn.Module) -> bool:
         and weight.dim() == 1
 
 
+def _mx_norm_class(base: type) -> type:
+    if base not in _NORM_CLASSES:
+        # new_class picks the metaclass that fits both bases (DualPathModule's ABCMeta and the norm's)
+        _NORM_CLASSES[base] = types.new_class(
+            f"MX{base.__name__}", (MXNormMixin, base), exec_body=lambda ns: ns.update(__module__=__name__, _mx_base=base)
+        )
+    return _NORM_CLASSES[base]
+
+
+def _unpickle_mx_norm(base: type, state: dict) -> nn.Module:
+    norm = base.__new__(base)
+    norm.__dict__.update(state)
+    norm.__class__ = _mx_norm_class(base)
+    return norm
+
+
 def _convert_norm(norm: nn.Module, fmt: str, block_size: int) -> nn.Module:
-    cls = type(norm)
     if not isinstance(norm, MXNormMixin):
-        if cls not in _NORM_CLASSES:
-            # new_class picks the metaclass that fits both bases (DualPathModule's ABCMeta and the norm's)
-            _NORM_CLASSES[cls] = types.new_class(
-                f"MX{cls.__name__}", (MXNormMixin, cls), exec_body=lambda ns: ns.update(__module__=__name__)
-            )
-        norm.__class__ = _NORM_CLASSES[cls]
+        norm.__class__ = _mx_norm_class(type(norm))
         norm.recovery = False
     norm.mx_fmt = fmt
     norm.mx_block_size = block_size
