@@ -94,7 +94,7 @@ def main() -> None:
 
     with open(os.path.join(a.out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"world_size": world, "decisions": rec.decisions, "model_active": rec.model_active,
-                   "trace_written": cb._trace_path is not None, "forced_error": error}, f)
+                   "trace_written": cb.trace_path is not None, "forced_error": error}, f)
 
 
 if __name__ == "__main__":

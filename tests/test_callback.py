@@ -277,7 +277,12 @@ def test_pre_clip_norms_and_bit_identical_update(tiny_llama_dir, tmp_path):
     assert trainer.args.max_grad_norm == max_norm
     saved = torch.load(tmp_path / "gnmr" / "checkpoint-4" / "training_args.bin", weights_only=False)
     assert saved.max_grad_norm == max_norm
-    assert os.path.exists(tmp_path / "gnmr" / "checkpoint-4" / "gnmr_state.json")
+    # the GNMR state of step 4 is in the checkpoint's trainer_state.json, and no other file is written
+    with open(tmp_path / "gnmr" / "checkpoint-4" / "trainer_state.json", encoding="utf-8") as f:
+        saved_state = json.load(f)["stateful_callbacks"]["GNMRState"]["attributes"]["saved"]
+    assert saved_state["step"] == 4 and saved_state["controller"]["t"] == 4
+    assert saved_state["active"] == trace[3]["active"]
+    assert not [n for n in os.listdir(tmp_path / "gnmr" / "checkpoint-4") if n.startswith("gnmr")]
 
 
 def test_monitor_only_bit_identical_with_accumulation(tiny_llama_dir, tmp_path):
@@ -363,53 +368,53 @@ def test_resume_equals_uninterrupted(straight_trace, tiny_llama_dir, tmp_path, r
 # ---------------------------------------------------------------------------------------------------------
 
 
-class InjectNaN(TrainerCallback):
-    """At ``step``, sets unit ``unit``'s gradients to NaN after the Trainer's norm pass and before GNMR
-    reads them (it moves itself to the front of the callback list), keeping the real gradients."""
+class InjectNaNTrainer(Trainer):
+    """After the backward of optimizer step ``nan_step``, keeps the real gradients and sets unit
+    ``nan_unit``'s to NaN, so the Trainer's norm pass (and GNMR) sees them."""
 
-    def __init__(self, trainer_box, step, unit):
-        self.box, self.step, self.unit, self.saved = trainer_box, step, unit, None
+    nan_step: int
+    nan_unit: int
+    saved: list | None = None
 
-    def on_step_begin(self, args, state, control, **kw):
-        cbs = self.box[0].callback_handler.callbacks
-        if cbs[0] is not self:
-            cbs.remove(self)
-            cbs.insert(0, self)
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-        if state.global_step + 1 == self.step:
-            params = [p for p in layer_modules(model)[self.unit].parameters() if p.requires_grad]
-            self.saved = [(p, p.grad.clone()) for p in params]
-            for p in params:
-                p.grad.fill_(float("nan"))
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.state.global_step + 1 == self.nan_step:
+            self.saved = [(p, p.grad.clone()) for p in self.model.parameters() if p.grad is not None]
+            for p in layer_modules(self.model)[self.nan_unit].parameters():
+                if p.requires_grad:
+                    p.grad.fill_(float("nan"))
+        return loss
 
 
 class RestoreGrads(TrainerCallback):
-    """After GNMR has read the NaN norm, puts the real gradients back (as a loss-scaler that skips the
-    bad values would), so the run continues with finite weights."""
+    """After the norm pass, puts the real gradients back (as a loss scaler that skips the bad values
+    would), so the run continues with finite weights."""
 
-    def __init__(self, injector):
-        self.injector = injector
+    def __init__(self, trainer_box):
+        self.box = trainer_box
 
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        if self.injector.saved:
-            for p, g in self.injector.saved:
+        trainer = self.box[0]
+        if trainer.saved:
+            for p, g in trainer.saved:
                 p.grad.copy_(g)
-            self.injector.saved = None
+            trainer.saved = None
 
 
 def test_nan_gradient_escalates_unit(tiny_llama_dir, tmp_path):
     box = []
-    inject = InjectNaN(box, step=5, unit=3)
     cfg = dict(SWITCHY, max_active=1, alpha=3.0, beta=3.0)  # quiet thresholds: only the NaN unit is risky
-    trainer = Trainer(model=build(tiny_llama_dir), args=targs(tmp_path, max_steps=10, max_grad_norm=0.0),
-                      train_dataset=dataset(), callbacks=[inject, GNMRCallback(cfg), RestoreGrads(inject)])
+    trainer = InjectNaNTrainer(model=build(tiny_llama_dir), args=targs(tmp_path, max_steps=10, max_grad_norm=0.0),
+                               train_dataset=dataset(), callbacks=[GNMRCallback(cfg), RestoreGrads(box)])
+    trainer.nan_step, trainer.nan_unit = 5, 3
     box.append(trainer)
     trainer.train()
     trace = read_trace(tmp_path)
     assert trainer.state.global_step == 10 and len(trace) == 10
+    assert not any(r["active"] for r in trace[:4])
     bad = trace[4]
     assert math.isnan(bad["norms"][3]) and bad["nonfinite"] == 1 and bad["risk"][3] == math.inf
+    assert all(math.isfinite(x) for x in bad["norms"][:3])
     assert bad["active"] == [3] and 3 in bad["promoted"]
     for r in trace[5:]:
         assert all(math.isfinite(x) for x in r["norms"] + r["gnmr"] + r["delta"])
@@ -445,7 +450,10 @@ def test_nan_in_backward_clips_like_the_trainer(tiny_llama_dir, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True)
     trace = read_trace(tmp_path / "gnmr")
     assert all(math.isfinite(x) for x in trace[0]["norms"])
-    assert trace[1]["nonfinite"] == NUM_LAYERS
+    # the per-unit norms come from the same pass as the total, before the NaN coefficient spreads
+    assert trace[1]["nonfinite"] == 1 and math.isnan(trace[1]["norms"][2])
+    assert all(math.isfinite(x) for i, x in enumerate(trace[1]["norms"]) if i != 2)
+    assert trace[2]["nonfinite"] == NUM_LAYERS  # the NaN update poisoned every weight
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -461,6 +469,7 @@ class MicroPolicy:
     def __init__(self, num_units, recoverable):
         self.num_units, self.recoverable = num_units, recoverable
         self.seen_micro, self.seen_norms, self._buf, self.last_record = [], [], [], None
+        self.returned = []
 
     def initial_mask(self):
         return torch.zeros(self.num_units, dtype=torch.bool)
@@ -476,6 +485,7 @@ class MicroPolicy:
         mask = torch.zeros(self.num_units, dtype=torch.bool)
         mask[max(range(self.num_units), key=spread.__getitem__)] = True
         self.last_record = {"active": mask.nonzero().flatten().tolist()}
+        self.returned.append(mask.clone())
         return mask
 
     def state_dict(self):
@@ -523,7 +533,9 @@ def test_policy_with_microbatch_norms(tiny_llama_dir, tmp_path):
     for got, ref in zip(flat, trainer.micro, strict=True):
         assert got == pytest.approx(ref, rel=1e-5)
     trace = read_trace(tmp_path)
-    assert [r["active"] for r in trace] == [p for p in (r["active"] for r in trace)] and all(len(r["active"]) == 1 for r in trace)
+    # the trace's decisions are the masks the policy returned, and the model ran them
+    assert [r["active"] for r in trace] == [m.nonzero().flatten().tolist() for m in policy.returned]
+    assert len(policy.returned) == 3 and all(len(r["active"]) == 1 for r in trace)
     assert trainer.state.log_history[-1]["gnmr/summary/steps"] == 3
 
 
@@ -545,8 +557,9 @@ def test_policy_from_triggers_module_resumes(tiny_llama_dir, tmp_path):
     trainer = Trainer(model=build(tiny_llama_dir), train_dataset=dataset(), args=targs(tmp_path, **kw),
                       callbacks=[user_cb])
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    rebuilt = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GNMRCallback)]
-    assert len(rebuilt) == 1 and rebuilt[0] is not user_cb and rebuilt[0].policy is factory
+    # the Trainer rebuilds only the state carrier; the user's callback (with its policy) stays
+    gnmr_cbs = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GNMRCallback)]
+    assert gnmr_cbs == [user_cb] and user_cb.policy is factory
     assert read_trace(tmp_path) == straight
 
 
@@ -591,25 +604,42 @@ def test_clear_errors(tiny_llama_dir, tmp_path):
             trainer.train()
 
 
-def test_init_fraction_and_exportable_args(tiny_llama_dir, tmp_path):
-    cb = GNMRCallback({"max_active": 2, "alpha_init": 1.5}, init_fraction=0.25)
-    Trainer(model=build(tiny_llama_dir, "plain"), args=targs(tmp_path, max_steps=6), train_dataset=dataset(),
-            callbacks=[cb]).train()
-    assert cb.controller.config.init_steps == 2  # round(0.25 * 6) = 1.5 -> 2
-    state = cb.state()
-    json.dumps(state)  # JSON-safe
-    rebuilt = GNMRCallback(**state["args"])
-    assert rebuilt.config == cb.config and rebuilt.init_fraction == 0.25
-    assert state["attributes"]["_resume_state"]["controller"]["t"] == 6
+def test_init_fraction_uses_the_shared_rule(tiny_llama_dir, tmp_path):
+    from gnmr_hf.core.controller import init_steps_from_fraction
 
-    # arguments that are not JSON-safe are taken from the live instance they were saved from
+    # 5% of 6 steps is 0.3: the shared rule (at least one step for a positive fraction) gives 1,
+    # plain rounding would give 0; 25% of 6 is 1.5, rounded half up to 2
+    for fraction, expect in ((0.05, 1), (0.25, 2)):
+        cb = GNMRCallback({"max_active": 2, "alpha_init": 1.5}, init_fraction=fraction)
+        Trainer(model=build(tiny_llama_dir, "plain"), args=targs(tmp_path / str(fraction), max_steps=6),
+                train_dataset=dataset(), callbacks=[cb]).train()
+        assert cb.controller.config.init_steps == expect == init_steps_from_fraction(fraction, 6)
+        assert cb.config.init_steps == 0  # the user's config is left as given
+
+
+def test_state_lives_in_a_carrier(tiny_llama_dir, tmp_path):
+    """The callback is not rebuilt by the Trainer (its units/policy need not be JSON-safe); its run state
+    is carried by a GNMRState whose rebuilt copy is complete and JSON-safe."""
+    from transformers.trainer_callback import ExportableState
+
+    from gnmr_hf.trainer.state import GNMRState
+
     units = lambda m: [(f"l{i}", layer) for i, layer in enumerate(layer_modules(m))]  # noqa: E731
-    user = GNMRCallback(units=units, policy=MicroPolicy)
-    other = GNMRCallback(units=lambda m: [], policy=MicroPolicy)  # built later: must not be picked
-    args = user.state()["args"]
-    json.dumps(args)
-    copy = GNMRCallback(**args)
-    assert copy.units is units and copy.policy is MicroPolicy and other.units is not units
+    cb = GNMRCallback(units=units, policy=MicroPolicy)
+    trainer = Trainer(model=build(tiny_llama_dir), args=targs(tmp_path, max_steps=2),
+                      train_dataset=dataset(), callbacks=[cb])
+    assert not isinstance(cb, ExportableState)
+    carriers = [c for c in trainer.callback_handler.callbacks if isinstance(c, GNMRState)]
+    assert carriers == [cb.state_carrier]
+    assert cb.state_carrier.state() == {"args": {}, "attributes": {"saved": None}}  # nothing run yet
+    trainer.train()
+    state = json.loads(json.dumps(cb.state_carrier.state()))
+    assert state["attributes"]["saved"]["units"] == ["l0", "l1", "l2", "l3"]
+    assert state["attributes"]["saved"]["step"] == 2 and state["attributes"]["saved"]["policy"] == "MicroPolicy"
+    rebuilt = GNMRState(**state["args"])  # as the Trainer rebuilds it
+    for k, v in state["attributes"].items():
+        setattr(rebuilt, k, v)
+    assert rebuilt.state() == state
 
 
 # ---------------------------------------------------------------------------------------------------------

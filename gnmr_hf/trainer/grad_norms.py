@@ -1,0 +1,144 @@
+"""Per-unit gradient norms, taken in the same pass as the total norm used for clipping.
+
+The Trainer clips with ``torch.nn.utils.clip_grad_norm_``: one ``torch._foreach_norm`` per
+(device, dtype) group, the total as the 2-norm of those per-tensor norms, then one foreach multiply.
+:meth:`UnitGradNorms.clip_` does exactly that (so the clipped gradients are bit-identical) and sums the
+same per-tensor norms into one squared norm per unit, instead of a second pass over the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from gnmr_hf.units import Unit
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class UnitGradNorms:
+    """The trainable parameters of each unit, and their per-unit gradient norms.
+
+    A parameter that belongs to several (nested or overlapping) units counts in each of them.
+
+    Args:
+        units: ``(name, module)`` pairs (see :func:`gnmr_hf.units.resolve_units`).
+
+    Attributes:
+        params: the distinct trainable parameters of all units, in first-seen order.
+        counts: the number of trainable parameters of each unit.
+        num_units: ``len(units)``.
+    """
+
+    def __init__(self, units: Sequence[Unit]) -> None:
+        self.params: list[torch.nn.Parameter] = []
+        position: dict[int, int] = {}
+        pairs: list[tuple[int, int]] = []  # (index in self.params, unit)
+        self.counts = [0] * len(units)
+        for b, (_, module) in enumerate(units):
+            for p in module.parameters():
+                if not p.requires_grad:
+                    continue
+                i = position.setdefault(id(p), len(self.params))
+                if i == len(self.params):
+                    self.params.append(p)
+                pairs.append((i, b))
+                self.counts[b] += 1
+        self.num_units = len(units)
+        self._position = position
+        self._pairs = pairs
+        self._pair_param = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+        self._pair_unit = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        # for clip_: the index pairs against the list of gradients it was last given (cached by identity)
+        self._clip_key: tuple[int, ...] | None = None
+        self._clip_index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The ``.grad`` of every parameter in :attr:`params` (``None`` where there is none)."""
+        return [p.grad for p in self.params]
+
+    def sq_norms(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """Per-unit squared L2 norms ``[U]`` (float64, on the tensors' device) of ``tensors``.
+
+        Args:
+            tensors: one tensor per entry of :attr:`params` (``None`` counts as zero).
+
+        Returns:
+            The squared norms, or ``None`` when every entry is ``None``.
+        """
+        present = [(i, t) for i, t in enumerate(tensors) if t is not None]
+        if not present:
+            return None
+        device = present[0][1].device
+        sq = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        for pos, norms in _per_tensor_norms([t for _, t in present], fp32_half=True):
+            vals = torch.stack([n.to(device) for n in norms]).to(torch.float64).square()
+            sq[torch.tensor([present[j][0] for j in pos], device=device)] = vals
+        return self._to_units(sq, self._pair_param, self._pair_unit)
+
+    @torch.no_grad()
+    def clip_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)``, also returning the per-unit norms.
+
+        One norm pass: the per-tensor norms give both the total norm (computed exactly as
+        ``torch.nn.utils.get_total_norm`` does) and each unit's squared norm; then the gradients are
+        scaled with ``torch.nn.utils.clip_grads_with_norm_`` (one foreach multiply, also for
+        ``max_norm=inf``, which multiplies by 1.0 as the Trainer's norm-only pass does).
+
+        Args:
+            parameters: the parameters whose gradients are clipped (all of the model's, as the Trainer
+                passes them); the units' parameters must be among them to be counted.
+            max_norm: the clipping threshold (``inf``: measure only).
+
+        Returns:
+            ``(total_norm, unit_sq_norms)``: the pre-clip total norm (as ``clip_grad_norm_`` returns it)
+            and the pre-clip per-unit squared norms ``[U]`` (float64, on the gradients' device).
+        """
+        parameters = list(parameters)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            total = torch.tensor(0.0)
+            return total, torch.zeros(self.num_units, dtype=torch.float64)
+        first_device = grads[0].device
+        norms: list[torch.Tensor] = []
+        sq = torch.empty(len(grads), dtype=torch.float64, device=first_device)
+        for (_, dtype), ([tensors], pos) in _group_tensors_by_device_and_dtype([grads], with_indices=True).items():
+            group = torch._foreach_norm(tensors, 2.0)
+            norms.extend(group)
+            # fp32 accumulation for the per-unit sums of half-precision gradients (a bf16 norm has 3 digits)
+            exact = torch._foreach_norm(tensors, 2.0, dtype=torch.float32) if dtype in _HALF else group
+            sq[torch.tensor(pos, device=first_device)] = torch.stack([n.to(first_device) for n in exact]).double().square()
+        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        pair_grad, pair_unit = self._clip_pairs(parameters, first_device)
+        return total, self._to_units(sq, pair_grad, pair_unit)
+
+    def _clip_pairs(self, parameters: list[torch.nn.Parameter], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index into the list of present gradients, unit) pairs for the units' parameters."""
+        key = tuple(id(p) for p in parameters if p.grad is not None)
+        if key != self._clip_key or self._clip_index[0].device != device:
+            at = {pid: j for j, pid in enumerate(key)}
+            keep = [(at[id(self.params[i])], b) for i, b in self._pairs if id(self.params[i]) in at]
+            self._clip_key = key
+            self._clip_index = (
+                torch.tensor([j for j, _ in keep], dtype=torch.long, device=device),
+                torch.tensor([b for _, b in keep], dtype=torch.long, device=device),
+            )
+        return self._clip_index
+
+    def _to_units(self, sq: torch.Tensor, pair_src: torch.Tensor, pair_unit: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.num_units, dtype=torch.float64, device=sq.device)
+        return out.index_add_(0, pair_unit.to(sq.device), sq[pair_src.to(sq.device)])
+
+
+def _per_tensor_norms(tensors: list[torch.Tensor], fp32_half: bool) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """``(positions, norms)`` per (device, dtype) group of ``tensors``, one fused norm per group."""
+    out = []
+    for (_, dtype), ([group], pos) in _group_tensors_by_device_and_dtype([tensors], with_indices=True).items():
+        if fp32_half and dtype in _HALF:
+            out.append((pos, torch._foreach_norm(group, 2.0, dtype=torch.float32)))
+        else:
+            out.append((pos, torch._foreach_norm(group, 2.0)))
+    return out
