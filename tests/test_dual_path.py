@@ -1,8 +1,9 @@
-"""The INT8/BF16 dual-path layer on a tiny random LLaMA: real bitsandbytes, real PEFT, on CPU.
+"""The dual-path layers (INT8, NF4 and FP4 low paths) on a tiny random LLaMA: real bitsandbytes, real PEFT, on CPU.
 
 References are built independently with stock libraries: the BF16 (or FP32) model read from the same
-checkpoint with stock PEFT for the recovery path, stock PEFT over stock bnb INT8 for the low-cost path,
-and a hybrid of the two stock models for a mix. The exactness checks run in FP32 (the checkpoint's BF16
+checkpoint with stock PEFT for the recovery path, stock PEFT over a stock bnb INT8 / 4-bit load for the
+low-cost path, and a hybrid of the two stock models for a mix. The tests on the ``fp32`` fixture run
+for every low path; the FP4 ones are in the slow tier (the same code as NF4, another bnb code book). The exactness checks run in FP32 (the checkpoint's BF16
 values upcast), where both of PEFT's LoRA layer classes add the LoRA output without an extra rounding;
 the BF16 check allows for the one BF16 rounding in which PEFT's bnb and plain LoRA layers differ.
 """
@@ -23,16 +24,28 @@ from tests.conftest import make_tiny_llama
 peft = pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
+from gnmr_hf.backends.bnb_4bit import DualPathLinear4bit  # noqa: E402
 from gnmr_hf.backends.bnb_int8 import DualPathLinear8bitLt  # noqa: E402
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NUM_LAYERS = 4
+LOW_PATHS = ["int8", "nf4", pytest.param("fp4", marks=pytest.mark.slow)]
+DUAL_TYPES = {"int8": DualPathLinear8bitLt, "nf4": DualPathLinear4bit, "fp4": DualPathLinear4bit}
 
 
-def load(path, int8: bool, dtype=torch.float32):
+def load(path, quant: bool | str | None, dtype=torch.float32, double_quant: bool = False):
+    """The checkpoint at ``path``: unquantised (``quant`` None/False), INT8 (True or ``"int8"``) or 4-bit
+    (``"nf4"``/``"fp4"``, computing in ``dtype``)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kw = {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)} if int8 else {}
+    kw = {}
+    if quant is True or quant == "int8":
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    elif quant:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=dtype,
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     return model.eval()
 
@@ -42,9 +55,9 @@ def lora_config(**kw):
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LINEARS, init_lora_weights=False, **kw)
 
 
-def wrap(model, seed=0):
+def wrap(model, seed=0, **kw):
     torch.manual_seed(seed)
-    return peft.get_peft_model(model, lora_config())
+    return peft.get_peft_model(model, lora_config(**kw))
 
 
 def copy_lora(dst, src):
@@ -70,32 +83,42 @@ def ids():
     return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(scope="module")
-def fp32(tiny_llama_dir):
-    """Dual-path model and the stock references, all in FP32 with one set of LoRA weights."""
-    dual = wrap(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir, dtype=torch.float32))
+@pytest.fixture(scope="module", params=LOW_PATHS)
+def fp32(request, tiny_llama_dir):
+    """Dual-path model (on the low path ``request.param``) and the stock references (FP32 model, the same
+    low path), all computing in FP32 with one set of LoRA weights."""
+    low = request.param
+    dual = wrap(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, low), tiny_llama_dir, dtype=torch.float32))
+    dual.low_path = low  # for the tests' own bookkeeping
     ref_bf = copy_lora(wrap(load(tiny_llama_dir, False), seed=5), dual)
-    ref_int8 = copy_lora(wrap(load(tiny_llama_dir, True), seed=6), dual)
-    return dual, ref_bf, ref_int8
+    ref_low = copy_lora(wrap(load(tiny_llama_dir, low), seed=6), dual)
+    return dual, ref_bf, ref_low
 
 
 def test_plain_get_peft_model_wraps_dual_path_with_stock_bnb_lora(fp32):
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     from peft.tuners.lora.bnb import Linear8bitLt as LoraLinear8bitLt
 
     dual, _, _ = fp32
+    lora_type = LoraLinear8bitLt if dual.low_path == "int8" else LoraLinear4bit
     for i, layer in enumerate(layers(dual)):
         for name, m in layer.named_modules():
             if name.split(".")[-1] in LINEARS:
-                assert type(m) is LoraLinear8bitLt, name
-                assert type(m.base_layer) is DualPathLinear8bitLt
+                assert type(m) is lora_type, name
+                assert type(m.base_layer) is DUAL_TYPES[dual.low_path]
                 assert m.base_layer.recovery_key == f"model.layers.{i}.{name}.weight"
-                assert m.base_layer.weight.dtype == torch.int8  # the quantised weight was kept
+                # the quantised weight was kept
+                if dual.low_path == "int8":
+                    assert m.base_layer.weight.dtype == torch.int8
+                else:
+                    assert m.base_layer.weight.dtype == torch.uint8
+                    assert m.base_layer.weight.quant_type == dual.low_path
     assert gnmr_hf.recoverable_units(dual) == [True] * NUM_LAYERS
     assert gnmr_hf.active_units(dual) == []
 
 
 def test_all_promoted_is_the_bf16_checkpoint_model(fp32, ids):
-    dual, ref_bf, ref_int8 = fp32
+    dual, ref_bf, ref_low = fp32
     gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
     try:
         got = logits(dual, ids)
@@ -107,23 +130,23 @@ def test_all_promoted_is_the_bf16_checkpoint_model(fp32, ids):
     with ref_bf.disable_adapter():
         want_base = logits(ref_bf, ids)
     assert (want - want_base).abs().max() > 0.1  # LoRA changes the output
-    assert (want - logits(ref_int8, ids)).abs().max() > 1e-3  # INT8 differs from BF16
-    assert torch.equal(got_base, want_base)
+    assert (want - logits(ref_low, ids)).abs().max() > 1e-3  # the low path differs from BF16
+    torch.testing.assert_close(got_base, want_base, rtol=0, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-def test_none_promoted_is_stock_peft_over_stock_int8(fp32, ids):
-    dual, _, ref_int8 = fp32
+def test_none_promoted_is_stock_peft_over_the_stock_low_path(fp32, ids):
+    dual, _, ref_low = fp32
     gnmr_hf.set_active_units(dual, [])
-    assert torch.equal(logits(dual, ids), logits(ref_int8, ids))
+    assert torch.equal(logits(dual, ids), logits(ref_low, ids))
 
 
 def test_mix_is_the_hybrid_of_the_stock_models(fp32, tiny_llama_dir, ids):
-    dual, ref_bf, ref_int8 = fp32
+    dual, ref_bf, ref_low = fp32
     promoted = [0, 2]
-    hybrid = copy_lora(wrap(load(tiny_llama_dir, True), seed=7), dual)
+    hybrid = copy_lora(wrap(load(tiny_llama_dir, dual.low_path), seed=7), dual)
     bf_layers = copy_lora(wrap(load(tiny_llama_dir, False), seed=8), dual)
-    for i in promoted:  # stock BF16 decoder layers (with their stock LoRA) inside a stock INT8 model
+    for i in promoted:  # stock BF16 decoder layers (with their stock LoRA) inside a stock low-path model
         layers(hybrid)[i] = layers(bf_layers)[i]
     gnmr_hf.set_active_units(dual, promoted)
     try:
@@ -133,7 +156,7 @@ def test_mix_is_the_hybrid_of_the_stock_models(fp32, tiny_llama_dir, ids):
         gnmr_hf.set_active_units(dual, [])
     torch.testing.assert_close(got, logits(hybrid, ids), rtol=0, atol=1e-5)
     assert (got - logits(ref_bf, ids)).abs().max() > 1e-3
-    assert (got - logits(ref_int8, ids)).abs().max() > 1e-3
+    assert (got - logits(ref_low, ids)).abs().max() > 1e-3
 
 
 def test_bf16_compute_all_promoted_matches_bf16_model(tiny_llama_dir, ids):
@@ -179,14 +202,15 @@ def _loss_backward(pm, ids):
 
 
 def test_gradients_reach_lora_on_both_paths(fp32, ids):
-    dual, ref_bf, ref_int8 = fp32
+    dual, ref_bf, ref_low = fp32
     trainable = [n for n, p in dual.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)  # base weights stay frozen
-    int8_before = layers(dual)[0].self_attn.q_proj.base_layer.weight.detach().clone()
-    for active, ref in ((list(range(NUM_LAYERS)), ref_bf), ([], ref_int8)):
+    low_before = layers(dual)[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    grads = {}
+    for active, ref in ((list(range(NUM_LAYERS)), ref_bf), ([], ref_low)):
         gnmr_hf.set_active_units(dual, active)
         _loss_backward(dual, ids)
-        got = _lora_grads(dual)
+        got = grads[len(active)] = _lora_grads(dual)
         assert set(got) == set(trainable)
         for layer in range(NUM_LAYERS):  # every layer's LoRA gets a non-zero, finite gradient
             g = torch.cat([v.flatten() for n, v in got.items() if f"layers.{layer}." in n])
@@ -195,11 +219,13 @@ def test_gradients_reach_lora_on_both_paths(fp32, ids):
         want = _lora_grads(ref)
         for n in trainable:
             torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6)
+    # the two paths give different gradients, so the two comparisons above compare different things
+    assert max((grads[0][n] - grads[NUM_LAYERS][n]).abs().max() for n in trainable) > 1e-4
     gnmr_hf.set_active_units(dual, [])
     dual.zero_grad(set_to_none=True)
     ref_bf.zero_grad(set_to_none=True)
-    ref_int8.zero_grad(set_to_none=True)
-    assert torch.equal(layers(dual)[0].self_attn.q_proj.base_layer.weight, int8_before)
+    ref_low.zero_grad(set_to_none=True)
+    assert torch.equal(layers(dual)[0].self_attn.q_proj.base_layer.weight, low_before)
 
 
 def test_switching_leaves_lora_and_adamw_state_untouched(tiny_llama_dir, ids):
@@ -278,21 +304,24 @@ def layer_bf16_bytes(path, layer):
     return total
 
 
-def test_host_storage_counts_exactly_the_promoted_layers(tiny_llama_dir):
-    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True, torch.bfloat16), tiny_llama_dir, storage="host")
+@pytest.mark.parametrize("low", LOW_PATHS)
+def test_host_storage_counts_exactly_the_promoted_layers(tiny_llama_dir, low):
+    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, low, torch.bfloat16), tiny_llama_dir, storage="host")
     per_layer = [layer_bf16_bytes(tiny_llama_dir, i) for i in range(NUM_LAYERS)]
-    assert per_layer[0] > 0
+    # q, o: 64x64; k, v: 32x64 (2 KV heads of 16); gate, up, down: 128x64; BF16 = 2 bytes
+    assert per_layer == [2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)] * NUM_LAYERS
     assert gnmr_hf.recovery_device_bytes(model) == 0
     for active in ([1], [0, 3], [0, 1, 2, 3], [2], []):
         gnmr_hf.set_active_units(model, active)
         assert gnmr_hf.recovery_device_bytes(model) == sum(per_layer[i] for i in active)
-    mods = [m for m in model.modules() if isinstance(m, DualPathLinear8bitLt)]
+    mods = [m for m in model.modules() if isinstance(m, DUAL_TYPES[low])]
     assert len(mods) == NUM_LAYERS * len(LINEARS)
     assert all(m._gnmr_weight is None for m in mods)  # the device copies were dropped
 
 
-def test_device_storage_is_constant(tiny_llama_dir):
-    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True, torch.bfloat16), tiny_llama_dir, storage="device")
+@pytest.mark.parametrize("low", LOW_PATHS)
+def test_device_storage_is_constant(tiny_llama_dir, low):
+    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, low, torch.bfloat16), tiny_llama_dir, storage="device")
     total = sum(layer_bf16_bytes(tiny_llama_dir, i) for i in range(NUM_LAYERS))
     for active in ([], [1], [0, 1, 2, 3], []):
         gnmr_hf.set_active_units(model, active)
@@ -354,12 +383,12 @@ def test_bias_and_other_checkpoint_prefixes(tmp_path, ids):
 
 
 def test_prepare_after_get_peft_model(fp32, tiny_llama_dir, ids):
-    dual, _, ref_int8 = fp32
-    late = copy_lora(wrap(load(tiny_llama_dir, True), seed=9), dual)
+    dual, _, ref_low = fp32
+    late = copy_lora(wrap(load(tiny_llama_dir, dual.low_path), seed=9), dual)
     gnmr_hf.prepare_dual_path(late, tiny_llama_dir, dtype=torch.float32)
     q = layers(late)[2].self_attn.q_proj.base_layer
-    assert isinstance(q, DualPathLinear8bitLt) and q.recovery_key == "model.layers.2.self_attn.q_proj.weight"
-    assert torch.equal(logits(late, ids), logits(ref_int8, ids))
+    assert isinstance(q, DUAL_TYPES[dual.low_path]) and q.recovery_key == "model.layers.2.self_attn.q_proj.weight"
+    assert torch.equal(logits(late, ids), logits(ref_low, ids))
     gnmr_hf.set_active_units(late, range(NUM_LAYERS))
     gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
     try:
@@ -371,24 +400,24 @@ def test_prepare_after_get_peft_model(fp32, tiny_llama_dir, ids):
 # ---------------------------------------------------------------- the adapter is a stock PEFT adapter
 
 
-def test_adapter_round_trip_with_plain_peft(fp32, tiny_llama_dir, tmp_path, ids):
-    dual, _, ref_int8 = fp32
+def test_adapter_round_trip_on_bf16_and_low_path_bases(fp32, tiny_llama_dir, tmp_path, ids):
+    dual, _, ref_low = fp32
     gnmr_hf.set_active_units(dual, [0, 3])  # saving does not depend on the current paths
     dual.save_pretrained(tmp_path / "dual")
-    ref_int8.save_pretrained(tmp_path / "stock")
+    ref_low.save_pretrained(tmp_path / "stock")
     a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("dual", "stock"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     cfg = json.loads((tmp_path / "dual" / "adapter_config.json").read_text())
-    assert "gnmr" not in json.dumps(cfg).lower()
+    assert "gnmr" not in json.dumps(cfg).lower() and cfg["use_dora"] is False
     gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
     high = logits(dual, ids)
     gnmr_hf.set_active_units(dual, [])
     low = logits(dual, ids)
     on_bf16 = peft.PeftModel.from_pretrained(load(tiny_llama_dir, False), tmp_path / "dual")
-    on_int8 = peft.PeftModel.from_pretrained(load(tiny_llama_dir, True), tmp_path / "dual")
-    assert not any(isinstance(m, DualPathLinear8bitLt) for m in on_int8.modules())
+    on_low = peft.PeftModel.from_pretrained(load(tiny_llama_dir, dual.low_path), tmp_path / "dual")
+    assert not any(isinstance(m, DUAL_TYPES[dual.low_path]) for m in on_low.modules())
     torch.testing.assert_close(logits(on_bf16, ids), high, rtol=0, atol=1e-5)
-    assert torch.equal(logits(on_int8, ids), low)
+    assert torch.equal(logits(on_low, ids), low)
     assert (high - low).abs().max() > 1e-3
 
 
@@ -404,7 +433,7 @@ def test_merge_is_refused_and_the_advised_merge_works(fp32, tiny_llama_dir, tmp_
                                                       r".*PeftModel\.from_pretrained"):
             merge()
         assert not any(getattr(m, "merged_adapters", []) for m in dual.modules())
-    assert isinstance(layers(dual)[2].mlp.up_proj.base_layer, DualPathLinear8bitLt)
+    assert isinstance(layers(dual)[2].mlp.up_proj.base_layer, DUAL_TYPES[dual.low_path])
     try:
         assert torch.equal(logits(dual, ids), before)  # nothing was changed by the refused merges
         gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
@@ -418,52 +447,54 @@ def test_merge_is_refused_and_the_advised_merge_works(fp32, tiny_llama_dir, tmp_
     torch.testing.assert_close(logits(merged, ids), high, rtol=0, atol=1e-4)
 
 
-def test_dora_is_refused(tiny_llama_dir):
+@pytest.mark.parametrize("low", LOW_PATHS)
+def test_dora_is_refused(tiny_llama_dir, low):
     torch.manual_seed(0)
     cfg = peft.LoraConfig(r=4, target_modules=LINEARS, use_dora=True)
-    dora = peft.get_peft_model(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir), cfg)
+    dora = peft.get_peft_model(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, low), tiny_llama_dir), cfg)
     with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj: DoRA .*\(use_dora=False\)"):
         gnmr_hf.set_active_units(dora, [0])
     with pytest.raises(ValueError, match="DoRA"):
         gnmr_hf.recoverable_units(dora)  # what the callback calls when it sets up
     assert gnmr_hf.active_units(dora) == []
-    late = peft.get_peft_model(load(tiny_llama_dir, True), cfg)  # PEFT first, then prepare
+    late = peft.get_peft_model(load(tiny_llama_dir, low), cfg)  # PEFT first, then prepare
     with pytest.raises(ValueError, match="DoRA"):
         gnmr_hf.prepare_dual_path(late, tiny_llama_dir)
-    assert not any(isinstance(m, DualPathLinear8bitLt) for m in late.modules())  # refused before converting
+    assert not any(isinstance(m, DUAL_TYPES[low]) for m in late.modules())  # refused before converting
 
 
 # ---------------------------------------------------------------- clear errors
 
 
-def test_errors(tiny_llama_dir, tmp_path, fp32):
-    dual, _, _ = fp32
+def test_errors(tiny_llama_dir, tmp_path):
+    dual = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir)
+    # every check runs before anything is changed, so one model serves for every bad call
     with pytest.raises(ValueError, match="storage must be one of"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir, storage="gpu")
+        gnmr_hf.prepare_dual_path(dual, tiny_llama_dir, storage="gpu")
     with pytest.raises(ValueError, match=r"found no layer.*\{'Linear': 29\}.*Supported: bitsandbytes\.Linear8bitLt"):
         gnmr_hf.prepare_dual_path(load(tiny_llama_dir, False), tiny_llama_dir)  # 4 x 7 projections + lm_head
     from gnmr_hf.backends import bnb_int8
 
-    with pytest.raises(ValueError, match="not loaded in 8-bit"):
+    with pytest.raises(ValueError, match=r"no bitsandbytes Linear8bitLt .*\['Linear'\].*load_in_8bit=True"):
         bnb_int8.prepare_dual_path(load(tiny_llama_dir, False), tiny_llama_dir)
     with pytest.raises(ValueError, match="dtype must be a floating-point"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tiny_llama_dir, dtype=torch.int8)
+        gnmr_hf.prepare_dual_path(dual, tiny_llama_dir, dtype=torch.int8)
     other = make_tiny_llama(tmp_path / "other", num_layers=NUM_LAYERS, hidden=32)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*shape \[32, 32\]"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), other)
+        gnmr_hf.prepare_dual_path(dual, other)
     sd = load_file(str(tiny_llama_dir / "model.safetensors"))
     del sd["model.layers.2.mlp.up_proj.weight"]
     missing = tmp_path / "missing.safetensors"
     save_file(sd, str(missing))
     with pytest.raises(ValueError, match=r"no tensor for model\.layers\.2\.mlp\.up_proj\.weight"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), missing)
+        gnmr_hf.prepare_dual_path(dual, missing)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tmp_path / "nowhere")
+        gnmr_hf.prepare_dual_path(dual, tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), "gnmr-hf-test/not-a-cached-model")
+        gnmr_hf.prepare_dual_path(dual, "gnmr-hf-test/not-a-cached-model")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .safetensors"):
-        gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True), tmp_path / "empty")
+        gnmr_hf.prepare_dual_path(dual, tmp_path / "empty")
     with pytest.raises(IndexError, match="out of range"):
         gnmr_hf.set_active_units(dual, [NUM_LAYERS])
     assert gnmr_hf.active_units(dual) == []

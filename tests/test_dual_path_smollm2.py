@@ -1,4 +1,5 @@
-"""The dual path on the real SmolLM2-135M-Instruct checkpoint (30 decoder layers), key checks only."""
+"""The dual path on the real SmolLM2-135M-Instruct checkpoint (30 decoder layers), key checks only, for
+each low path (INT8, NF4, FP4) against stock transformers + PEFT + bitsandbytes."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ pytestmark = pytest.mark.slow
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def _load(path, int8: bool):
+def _load(path, low: str | None):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kw = {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)} if int8 else {}
+    kw = {}
+    if low == "int8":
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    elif low:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_compute_dtype=torch.float32
+        )
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
 
 
@@ -36,16 +43,17 @@ def _logits(model, ids):
     return out
 
 
-def test_smollm2_paths_match_stock_models(smollm2_dir):
+@pytest.mark.parametrize("low_path", ["int8", "nf4", "fp4"])
+def test_smollm2_paths_match_stock_models(smollm2_dir, low_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tok(["The capital of France is", "Two plus two is"], return_tensors="pt",
               padding=True)["input_ids"]
-    # loading INT8 on CPU is slow (about 30 s here), so one INT8 model serves as the stock reference
+    # loading INT8 on CPU is slow (about 30 s here), so one quantised model serves as the stock reference
     # first and is then prepared in place: this also covers prepare_dual_path after get_peft_model.
     # FP32 activations: the checkpoint's BF16 values upcast, so PEFT's two LoRA layer classes agree exactly
-    dual = _wrap(_load(smollm2_dir, True), seed=0)
+    dual = _wrap(_load(smollm2_dir, low_path), seed=0)
     stock_low = _logits(dual, ids)
     sd = peft.get_peft_model_state_dict(dual)
     gnmr_hf.prepare_dual_path(dual, smollm2_dir, storage="host", dtype=torch.float32)
@@ -54,13 +62,13 @@ def test_smollm2_paths_match_stock_models(smollm2_dir):
     low = _logits(dual, ids)
     assert torch.equal(low, stock_low)
 
-    ref_bf = _wrap(_load(smollm2_dir, False), seed=2)
+    ref_bf = _wrap(_load(smollm2_dir, None), seed=2)
     peft.set_peft_model_state_dict(ref_bf, sd)
     want = _logits(ref_bf, ids)
     gnmr_hf.set_active_units(dual, range(n_layers))
     high = _logits(dual, ids)
     torch.testing.assert_close(high, want, rtol=1e-5, atol=1e-4)
-    assert (low - want).abs().max() > 1e-2  # INT8 really differs on this model
+    assert (low - want).abs().max() > 1e-2  # the low path really differs on this model
     with ref_bf.disable_adapter():
         assert (want - _logits(ref_bf, ids)).abs().max() > 1e-2  # and LoRA really changes the output
     del ref_bf
@@ -76,7 +84,7 @@ def test_smollm2_paths_match_stock_models(smollm2_dir):
                 expected += 4 * shape[0] * shape[1]
     assert expected > 0 and gnmr_hf.recovery_device_bytes(dual) == expected
 
-    # gradients reach LoRA on both paths (layers 4 and 17 recovered, the rest INT8), and the mix differs
+    # gradients reach LoRA on both paths (layers 4 and 17 recovered, the rest on the low path), and the mix differs
     dual.train()
     out = dual(ids, labels=ids)
     out.loss.backward()
@@ -93,5 +101,7 @@ def test_smollm2_paths_match_stock_models(smollm2_dir):
     gnmr_hf.set_active_units(dual, [0])
     # q, o: 576x576; k, v: 192x576 (3 KV heads of 64); gate, up, down: 1536x576; BF16 = 2 bytes
     assert gnmr_hf.recovery_device_bytes(dual) == 2 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576)
+    with pytest.raises(ValueError, match="merge_and_unload"), pytest.warns(UserWarning):
+        dual.merge_adapter()
     gnmr_hf.set_active_units(dual, [])
     assert gnmr_hf.recovery_device_bytes(dual) == 0

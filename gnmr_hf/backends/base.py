@@ -62,7 +62,7 @@ def check_adapters(module: nn.Module, prefix: str = "") -> list[DualPathModule]:
         ValueError: a LoRA layer with a DoRA magnitude vector wraps a dual-path module.
     """
     found = []
-    for name, m in module.named_modules():
+    for m in module.modules():  # modules(), not named_modules(): this runs at every step
         if isinstance(m, DualPathModule):
             found.append(m)
         # PEFT's LoraLayer: `lora_magnitude_vector` holds one entry per DoRA adapter (duck-typed, so
@@ -70,6 +70,7 @@ def check_adapters(module: nn.Module, prefix: str = "") -> list[DualPathModule]:
         elif getattr(m, "lora_magnitude_vector", None) and isinstance(
             getattr(m, "get_base_layer", lambda: None)(), DualPathModule
         ):
+            name = next(n for n, sub in module.named_modules() if sub is m)
             raise ValueError(DORA_REFUSED.format(name=".".join(p for p in (prefix, name) if p) or type(m).__name__))
     return found
 

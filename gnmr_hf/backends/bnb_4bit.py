@@ -30,11 +30,13 @@ from torch import nn
 
 from gnmr_hf._import_utils import require
 from gnmr_hf.backends.recovery import STORAGES, CheckpointRecovery, attach_recovery
-from gnmr_hf.units import UnitSpec, unwrap_model
+from gnmr_hf.units import UnitSpec
 
 require("bitsandbytes", "The 4-bit/BF16 dual path")
 
 import bitsandbytes as bnb  # noqa: E402
+
+_LOAD_HINT = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
 
 __all__ = ["STORAGES", "DualPathLinear4bit", "prepare_dual_path"]
 
@@ -67,35 +69,9 @@ def prepare_dual_path(
         model = peft.get_peft_model(model, LoraConfig(...))   # stock PEFT (its 4-bit LoRA layer)
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others NF4
 
-    Every layer starts on the low-cost 4-bit path.
-
-    Args:
-        model: a transformers model loaded with ``BitsAndBytesConfig(load_in_4bit=True, ...)`` (NF4 or
-            FP4, with or without double quantisation, any compute dtype; optionally already wrapped by
-            PEFT or DDP). Converted in place and returned.
-        recovery_source: the checkpoint the model was loaded from: a folder with ``*.safetensors``
-            (sharded or not), a single ``.safetensors`` file, or a hub id whose snapshot is in the local
-            cache (nothing is downloaded).
-        storage: where the BF16 weights live between promotions: ``"host"``, ``"device"`` or ``"disk"``
-            (see :mod:`gnmr_hf.backends.recovery`).
-        units: which modules are the units (default: the decoder layers); see
-            :func:`gnmr_hf.units.resolve_units`. Every ``Linear4bit`` inside a unit gets a recovery path.
-        dtype: dtype the recovery weights are kept and computed in (the paper's BF16).
-
-    Raises:
-        ValueError: unknown ``storage``; a model not loaded in 4-bit; no ``Linear4bit`` in the units;
-            a recovery tensor missing from the checkpoint or with the wrong shape (the message names it);
-            a PEFT model with DoRA adapters.
-        FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
+    Every layer starts on the low-cost 4-bit path. Arguments, storage modes and errors: as for
+    :func:`gnmr_hf.prepare_dual_path` (which calls this for a model holding ``Linear4bit`` layers).
     """
-    base = unwrap_model(model)
-    if not (getattr(base, "is_loaded_in_4bit", False) or any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())):
-        kind = "8-bit" if getattr(base, "is_loaded_in_8bit", False) else "not quantised by bitsandbytes"
-        raise ValueError(
-            f"the model is not loaded in 4-bit (it is {kind}): load it with from_pretrained(..., "
-            "quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')) "
-            "before prepare_dual_path"
-        )
     return attach_recovery(
-        model, recovery_source, bnb.nn.Linear4bit, DualPathLinear4bit, storage=storage, units=units, dtype=dtype
+        model, recovery_source, DualPathLinear4bit, _LOAD_HINT, storage=storage, units=units, dtype=dtype
     )

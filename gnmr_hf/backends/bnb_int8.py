@@ -33,11 +33,13 @@ from torch import nn
 
 from gnmr_hf._import_utils import require
 from gnmr_hf.backends.recovery import STORAGES, CheckpointRecovery, attach_recovery
-from gnmr_hf.units import UnitSpec, unwrap_model
+from gnmr_hf.units import UnitSpec
 
 require("bitsandbytes", "The INT8/BF16 dual path")
 
 import bitsandbytes as bnb  # noqa: E402
+
+_LOAD_HINT = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True))"
 
 __all__ = ["STORAGES", "DualPathLinear8bitLt", "prepare_dual_path"]
 
@@ -68,34 +70,9 @@ def prepare_dual_path(
         model = peft.get_peft_model(model, LoraConfig(...))   # stock PEFT, no registration needed
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others INT8
 
-    Every layer starts on the low-cost INT8 path.
-
-    Args:
-        model: a transformers model loaded with ``BitsAndBytesConfig(load_in_8bit=True)`` (optionally
-            already wrapped by PEFT or DDP). Converted in place and returned.
-        recovery_source: the checkpoint the model was loaded from: a folder with ``*.safetensors``
-            (sharded or not), a single ``.safetensors`` file, or a hub id whose snapshot is in the local
-            cache (nothing is downloaded).
-        storage: where the BF16 weights live between promotions: ``"host"``, ``"device"`` or ``"disk"``
-            (see :mod:`gnmr_hf.backends.recovery`).
-        units: which modules are the units (default: the decoder layers); see
-            :func:`gnmr_hf.units.resolve_units`. Every ``Linear8bitLt`` inside a unit gets a recovery path.
-        dtype: dtype the recovery weights are kept and computed in (the paper's BF16).
-
-    Raises:
-        ValueError: unknown ``storage``; a model not loaded in 8-bit; no ``Linear8bitLt`` in the units;
-            a recovery tensor missing from the checkpoint or with the wrong shape (the message names it);
-            a PEFT model with DoRA adapters.
-        FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
+    Every layer starts on the low-cost INT8 path. Arguments, storage modes and errors: as for
+    :func:`gnmr_hf.prepare_dual_path` (which calls this for a model holding ``Linear8bitLt`` layers).
     """
-    base = unwrap_model(model)
-    if not (getattr(base, "is_loaded_in_8bit", False) or any(isinstance(m, bnb.nn.Linear8bitLt) for m in model.modules())):
-        kind = "4-bit" if getattr(base, "is_loaded_in_4bit", False) else "not quantised by bitsandbytes"
-        raise ValueError(
-            f"the model is not loaded in 8-bit (it is {kind}): "
-            "load it with from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True)) "
-            "before prepare_dual_path"
-        )
     return attach_recovery(
-        model, recovery_source, bnb.nn.Linear8bitLt, DualPathLinear8bitLt, storage=storage, units=units, dtype=dtype
+        model, recovery_source, DualPathLinear8bitLt, _LOAD_HINT, storage=storage, units=units, dtype=dtype
     )

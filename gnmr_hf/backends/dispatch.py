@@ -73,22 +73,41 @@ def prepare_dual_path(
 
     The backend is chosen from the layers the model holds (first match wins): bitsandbytes
     ``Linear8bitLt`` (``BitsAndBytesConfig(load_in_8bit=True)``) goes to
-    :mod:`gnmr_hf.backends.bnb_int8`, ``Linear4bit`` (``load_in_4bit=True``, NF4 or FP4) to
-    :mod:`gnmr_hf.backends.bnb_4bit`.
+    :mod:`gnmr_hf.backends.bnb_int8`, ``Linear4bit`` (``load_in_4bit=True``, NF4 or FP4, any
+    ``bnb_4bit_compute_dtype``, with or without double quantisation) to :mod:`gnmr_hf.backends.bnb_4bit`.
+    The usual flow, before PEFT (a PEFT-wrapped model is accepted too)::
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_compute_dtype=torch.bfloat16),
+            dtype=torch.bfloat16)
+        model = gnmr_hf.prepare_dual_path(model, recovery_source=path, storage="host")
+        model = peft.get_peft_model(model, LoraConfig(...))   # stock PEFT, no registration needed
+        gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, the others NF4
+
+    Every layer starts on the low-cost path. PEFT's merge (``merge_adapter``/``merge_and_unload``) and
+    DoRA are refused over the converted layers (merge the saved adapter on a stock base instead).
 
     Args:
         model: the quantised transformers model (optionally wrapped by PEFT or DDP); converted in place.
-        recovery_source: the checkpoint the model was loaded from (folder, ``.safetensors`` file, or a
-            hub id in the local cache).
-        storage: ``"host"``, ``"device"`` or ``"disk"``: where the BF16 weights live between promotions.
-        **kwargs: passed to the backend's ``prepare_dual_path`` (``units``, ``dtype``).
+        recovery_source: the checkpoint the model was loaded from: a folder with ``*.safetensors``
+            (sharded or not), a single ``.safetensors`` file, or a hub id whose snapshot is in the local
+            cache (nothing is downloaded).
+        storage: where the BF16 weights live between promotions: ``"host"`` (CPU memory, pinned with
+            CUDA; copied to the device at promotion), ``"device"`` (always resident) or ``"disk"`` (read
+            from the safetensors file at each promotion); see :mod:`gnmr_hf.backends.recovery`.
+        **kwargs: ``units`` (which modules are the units, default the decoder layers; see
+            :func:`gnmr_hf.units.resolve_units`) and ``dtype`` (the dtype the recovery weights are kept
+            and computed in, default ``torch.bfloat16``).
 
     Returns:
         ``model``, converted in place.
 
     Raises:
-        ValueError: the model holds no supported layer (the message names what it found), or the
-            backend's own checks fail.
+        ValueError: the model holds no supported layer (the message names what it found); unknown
+            ``storage`` or ``dtype``; a recovery tensor missing from the checkpoint or of the wrong
+            shape (the message names it); a PEFT model with DoRA adapters.
+        FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
     """
     backend = find_backend(model)
     prepare = importlib.import_module(backend.module).prepare_dual_path

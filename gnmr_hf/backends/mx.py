@@ -94,7 +94,8 @@ def _blocks_and_scale(x: torch.Tensor, spec: MXElementFormat, block_size: int) -
     """``x`` in float32 as ``[rows, n_blocks, block_size]`` (zero-padded) and each block's shared scale
     ``[rows, n_blocks, 1]`` (+inf for a block holding a NaN or Inf)."""
     n = x.shape[-1] if x.dim() else 1
-    xf = x.detach().to(torch.float32).reshape(-1, n)
+    # contiguous: the backward passes transposed operands, and strided elementwise kernels are slow
+    xf = x.detach().to(torch.float32).reshape(-1, n).contiguous()
     pad = (-n) % block_size
     if pad:
         # zero padding leaves every block maximum (and so every scale) unchanged

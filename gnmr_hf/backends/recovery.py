@@ -241,26 +241,26 @@ def _same_tensor(a: Any, b: Any) -> bool:
 def attach_recovery(
     model: nn.Module,
     recovery_source: str | os.PathLike,
-    layer_type: type[nn.Module],
     dual_type: type[CheckpointRecovery],
+    load_hint: str,
     storage: str = "host",
     units: UnitSpec = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> nn.Module:
-    """Convert every ``layer_type`` module inside the units into ``dual_type``, reading its weight from
-    ``recovery_source``. Every check runs before any module is changed.
+    """Convert every module of ``dual_type``'s quantised layer class inside the units into ``dual_type``,
+    reading its weight from ``recovery_source``. Every check runs before any module is changed.
 
     Args:
         model: the quantised model (optionally wrapped by PEFT or DDP); converted in place and returned.
         recovery_source: see :class:`~gnmr_hf.backends.checkpoint.CheckpointIndex`.
-        layer_type: the quantised layer class to give a recovery path (e.g. ``bnb.nn.Linear4bit``).
-        dual_type: its dual-path subclass.
+        dual_type: the dual-path class, ``class DualPathX(CheckpointRecovery, X)``; every ``X`` is converted.
+        load_hint: how to load the model so that it holds ``X`` layers (for the error message).
         storage: ``"host"``, ``"device"`` or ``"disk"`` (see the module docstring).
         units: which modules are the units (default: the decoder layers).
         dtype: the floating-point dtype the recovery weights are kept and computed in.
 
     Raises:
-        ValueError: unknown ``storage`` or ``dtype``; no ``layer_type`` inside the units; a recovery
+        ValueError: unknown ``storage`` or ``dtype``; no ``X`` in the model or in the units; a recovery
             tensor missing from the checkpoint, of the wrong shape or not floating point; a PEFT DoRA
             adapter over one of the layers.
         FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
@@ -269,6 +269,14 @@ def attach_recovery(
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    # the quantised layer class the dual-path class extends (DualPathX(CheckpointRecovery, X) -> X)
+    layer_type = next(c for c in dual_type.__mro__ if issubclass(c, nn.Module) and not issubclass(c, DualPathModule))
+    if not any(isinstance(m, layer_type) for m in model.modules()):
+        found = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"the model holds no bitsandbytes {layer_type.__name__} (its linear layers: {found}): load it with "
+            f"{load_hint} before prepare_dual_path"
+        )
     base = unwrap_model(model)
     index = CheckpointIndex(recovery_source)
     names = {id(m): canonical_name(n) for n, m in base.named_modules()}
