@@ -10,7 +10,9 @@ Arms (the same ``nn.Linear(width, width)``, input ``[batch, width]``, one torch 
 
 The arms run round-robin (``--rounds`` rounds of ``--iters`` timed calls each) so that load changes
 on a shared machine hit them alike; minimum and median per call are printed, and the ratio of
-medians to ``fp32``. With ``--quant`` it also times ``mx_fake_quantize`` on a ``[batch, width]``
+medians to ``fp32``. The clock is the calling thread's CPU time by default (``--clock thread``):
+with one torch thread all the work runs in that thread, and time spent preempted by other processes
+on a shared machine is not counted; ``--clock wall`` uses wall time. With ``--quant`` it also times ``mx_fake_quantize`` on a ``[batch, width]``
 tensor for each format, beside torchao's ``MXTensor.to_mx(...).dequantize()`` when torchao is
 installed.
 
@@ -38,16 +40,16 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor):
     return run
 
 
-def time_round_robin(arms: dict[str, callable], rounds: int, iters: int) -> dict[str, list[float]]:
+def time_round_robin(arms: dict[str, callable], rounds: int, iters: int, clock=time.thread_time) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {name: [] for name in arms}
     for fn in arms.values():  # warm-up
         fn()
     for _ in range(rounds):
         for name, fn in arms.items():
             for _ in range(iters):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return times
 
 
@@ -85,14 +87,20 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                   help="thread: CPU time of this thread (needs --threads 1); wall: wall-clock time")
     p.add_argument("--quant", action="store_true", help="also time one fake-quantisation call per format")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.clock == "thread" and args.threads != 1:
+        p.error("--clock thread measures only the calling thread; use --clock wall with --threads > 1")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for f in formats:
         if f not in MX_FORMATS:
             p.error(f"--formats: unknown MX format {f!r}; expected some of {sorted(MX_FORMATS)}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), width {args.width}, batch {args.batch}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), width {args.width}, "
+          f"batch {args.batch}, clock {args.clock}")
 
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.width)
@@ -106,7 +114,7 @@ def main() -> None:
     emu.set_recovery(True)
     arms["bf16 emulated"] = fwd_bwd(emu, x)
     print("\none linear, forward + backward:")
-    print_table(time_round_robin(arms, args.rounds, args.iters), "fp32")
+    print_table(time_round_robin(arms, args.rounds, args.iters, clock), "fp32")
 
     if args.quant:
         ao = torchao_quantizers()
@@ -117,7 +125,7 @@ def main() -> None:
                 qarms[f"torchao {f}"] = lambda f=f: ao[f](x)
         qarms["copy (reference)"] = lambda: x.clone()
         print(f"\none fake-quantisation of a [{args.batch}, {args.width}] float32 tensor:")
-        print_table(time_round_robin(qarms, args.rounds, args.iters), "copy (reference)")
+        print_table(time_round_robin(qarms, args.rounds, args.iters, clock), "copy (reference)")
 
 
 if __name__ == "__main__":
