@@ -159,12 +159,19 @@ def test_mix_is_the_hybrid_of_the_stock_models(fp32, tiny_llama_dir, ids):
     assert (got - logits(ref_low, ids)).abs().max() > 1e-3
 
 
-def test_bf16_compute_all_promoted_matches_bf16_model(tiny_llama_dir, ids):
-    """The paper's setting, BF16 activations. PEFT's bnb LoRA layer rounds its LoRA output to BF16
-    before the add where PEFT's plain LoRA layer adds in FP32, so end to end the logits agree to a few
-    BF16 ulps; one layer agrees exactly with that rounding written out by hand."""
-    dual = wrap(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, True, torch.bfloat16), tiny_llama_dir))
+@pytest.mark.parametrize("low, double_quant", [("int8", False), ("nf4", True)])
+def test_bf16_compute_all_promoted_matches_bf16_model(tiny_llama_dir, ids, low, double_quant):
+    """The paper's setting, BF16 activations (for NF4, the QLoRA setting: BF16 compute and double
+    quantisation). None promoted is the stock model. PEFT's bnb LoRA layers round their LoRA output to
+    BF16 before the add where PEFT's plain LoRA layer adds in FP32, so end to end the logits agree to a
+    few BF16 ulps; one layer agrees exactly with that rounding written out by hand."""
+    quantised = [load(tiny_llama_dir, low, torch.bfloat16, double_quant=double_quant) for _ in range(2)]
+    dual = wrap(gnmr_hf.prepare_dual_path(quantised[0], tiny_llama_dir))
+    if double_quant:
+        assert layers(dual)[0].mlp.up_proj.base_layer.weight.compress_statistics
+    stock = copy_lora(wrap(quantised[1], seed=2), dual)
     ref_bf = copy_lora(wrap(load(tiny_llama_dir, False, torch.bfloat16), seed=3), dual)
+    assert torch.equal(logits(dual, ids), logits(stock, ids))
     gnmr_hf.set_active_units(dual, range(NUM_LAYERS))
     got = logits(dual, ids)
     with dual.disable_adapter():
@@ -173,7 +180,7 @@ def test_bf16_compute_all_promoted_matches_bf16_model(tiny_llama_dir, ids):
     with ref_bf.disable_adapter():
         want_base = logits(ref_bf, ids)
     assert torch.equal(got_base, want_base)  # the base path itself is exact
-    assert (want - want_base).abs().max() > 0.05
+    assert (want - want_base).abs().max() > 0.05 and (want - logits(stock, ids)).abs().max() > 0.01
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)
     assert (got - want).abs().max() <= 4 * ulp
 

@@ -24,13 +24,12 @@ the merged weight into the 4-bit path only) and DoRA (its weight norm comes from
 from __future__ import annotations
 
 import os
+from typing import Any
 
-import torch
 from torch import nn
 
 from gnmr_hf._import_utils import require
 from gnmr_hf.backends.recovery import STORAGES, CheckpointRecovery, attach_recovery
-from gnmr_hf.units import UnitSpec
 
 require("bitsandbytes", "The 4-bit/BF16 dual path")
 
@@ -50,13 +49,7 @@ class DualPathLinear4bit(CheckpointRecovery, bnb.nn.Linear4bit):
     """
 
 
-def prepare_dual_path(
-    model: nn.Module,
-    recovery_source: str | os.PathLike,
-    storage: str = "host",
-    units: UnitSpec = None,
-    dtype: torch.dtype = torch.bfloat16,
-) -> nn.Module:
+def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kwargs: Any) -> nn.Module:
     """Give every ``Linear4bit`` inside the decoder layers of a 4-bit model a BF16 recovery path.
 
     The usual flow, before PEFT (a PEFT-wrapped model is accepted too)::
@@ -69,9 +62,8 @@ def prepare_dual_path(
         model = peft.get_peft_model(model, LoraConfig(...))   # stock PEFT (its 4-bit LoRA layer)
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others NF4
 
-    Every layer starts on the low-cost 4-bit path. Arguments, storage modes and errors: as for
-    :func:`gnmr_hf.prepare_dual_path` (which calls this for a model holding ``Linear4bit`` layers).
+    Every layer starts on the low-cost 4-bit path. The arguments (``storage``, ``units``,
+    ``dtype`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
+    which calls this for a model holding ``Linear4bit`` layers.
     """
-    return attach_recovery(
-        model, recovery_source, DualPathLinear4bit, _LOAD_HINT, storage=storage, units=units, dtype=dtype
-    )
+    return attach_recovery(model, recovery_source, DualPathLinear4bit, _LOAD_HINT, **kwargs)

@@ -27,13 +27,12 @@ DoRA (its weight norm is taken from the de-quantised INT8 weight).
 from __future__ import annotations
 
 import os
+from typing import Any
 
-import torch
 from torch import nn
 
 from gnmr_hf._import_utils import require
 from gnmr_hf.backends.recovery import STORAGES, CheckpointRecovery, attach_recovery
-from gnmr_hf.units import UnitSpec
 
 require("bitsandbytes", "The INT8/BF16 dual path")
 
@@ -53,13 +52,7 @@ class DualPathLinear8bitLt(CheckpointRecovery, bnb.nn.Linear8bitLt):
     """
 
 
-def prepare_dual_path(
-    model: nn.Module,
-    recovery_source: str | os.PathLike,
-    storage: str = "host",
-    units: UnitSpec = None,
-    dtype: torch.dtype = torch.bfloat16,
-) -> nn.Module:
+def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kwargs: Any) -> nn.Module:
     """Give every ``Linear8bitLt`` inside the decoder layers of an 8-bit model a BF16 recovery path.
 
     The usual flow, before PEFT (a PEFT-wrapped model is accepted too)::
@@ -70,9 +63,8 @@ def prepare_dual_path(
         model = peft.get_peft_model(model, LoraConfig(...))   # stock PEFT, no registration needed
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others INT8
 
-    Every layer starts on the low-cost INT8 path. Arguments, storage modes and errors: as for
-    :func:`gnmr_hf.prepare_dual_path` (which calls this for a model holding ``Linear8bitLt`` layers).
+    Every layer starts on the low-cost INT8 path. The arguments (``storage``, ``units``,
+    ``dtype`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
+    which calls this for a model holding ``Linear8bitLt`` layers.
     """
-    return attach_recovery(
-        model, recovery_source, DualPathLinear8bitLt, _LOAD_HINT, storage=storage, units=units, dtype=dtype
-    )
+    return attach_recovery(model, recovery_source, DualPathLinear8bitLt, _LOAD_HINT, **kwargs)
