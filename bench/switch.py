@@ -15,6 +15,7 @@ Figures are printed, never asserted; minimum and median are reported.
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 
@@ -43,6 +44,8 @@ def main() -> None:
                    help="torch intra-op threads (default: 1 on CPU; torch's default on CUDA)")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is available")
     args = p.parse_args()
+    # bitsandbytes logs "inputs will be cast ... to float16" at every INT8 forward of a BF16 input
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
 
