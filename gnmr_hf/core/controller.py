@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["GNMRConfig", "GNMRController"]
+__all__ = ["GNMRConfig", "GNMRController", "init_steps_from_fraction", "unit_mask"]
 
 _STATE_VERSION = 1
 
@@ -137,6 +137,42 @@ def init_steps_from_fraction(init_fraction: float, total_steps: int) -> int:
     return max(1, math.floor(init_fraction * total_steps + 0.5))
 
 
+def unit_mask(units: Any, num_units: int, name: str = "recoverable") -> torch.Tensor:
+    """A set of units as a bool mask [U], from a bool mask or from unit indices.
+
+    Args:
+        units: a bool tensor or list of ``num_units`` bools, or unit indices (an int tensor or an
+            iterable of ints; an empty one is the empty set).
+        num_units (`int`): U.
+        name (`str`, defaults to ``"recoverable"``): what the units are, for the error messages.
+
+    Returns:
+        `torch.BoolTensor` [U] on the CPU (a new tensor).
+    """
+    U = num_units
+    if isinstance(units, torch.Tensor):
+        values = units.detach().cpu()
+    else:
+        values = list(units)
+        if values and all(isinstance(v, bool) for v in values):
+            values = torch.tensor(values, dtype=torch.bool)
+        else:
+            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
+                raise ValueError(f"{name} must be a bool mask of length {U} or unit indices, got {values!r}")
+            values = torch.tensor(values, dtype=torch.long)
+    if values.dtype == torch.bool:
+        if values.shape != (U,):
+            raise ValueError(f"{name} mask must have shape ({U},), got {tuple(values.shape)}")
+        return values.clone()
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dim() != 1:
+        raise ValueError(f"{name} must be a bool mask of length {U} or a 1-D tensor of unit indices")
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= U):
+        raise ValueError(f"{name} indices must lie in [0, {U}), got {values.tolist()}")
+    mask = torch.zeros(U, dtype=torch.bool)
+    mask[values.long()] = True
+    return mask
+
+
 class GNMRController:
     """Budgeted, lock-stabilised selection of the riskiest units from their gradient norms.
 
@@ -202,38 +238,14 @@ class GNMRController:
             raise TypeError(f"config must be a GNMRConfig, got {type(config).__name__}")
         self.num_units = int(num_units)
         self.config = config
-        self.recoverable = self._recoverable_mask(recoverable)
+        self.recoverable = (
+            torch.ones(self.num_units, dtype=torch.bool) if recoverable is None else unit_mask(recoverable, num_units)
+        )
         self._recoverable = self.recoverable.numpy().copy()
         self._num_recoverable = int(self._recoverable.sum())
         self._reset_state()
 
     # ------------------------------------------------------------------ setup
-
-    def _recoverable_mask(self, recoverable: Any) -> torch.Tensor:
-        U = self.num_units
-        if recoverable is None:
-            return torch.ones(U, dtype=torch.bool)
-        if isinstance(recoverable, torch.Tensor):
-            values = recoverable.detach().cpu()
-        else:
-            values = list(recoverable)
-            if values and all(isinstance(v, bool) for v in values):
-                values = torch.tensor(values, dtype=torch.bool)
-            else:
-                if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
-                    raise ValueError("recoverable must be a bool mask of length num_units or unit indices")
-                values = torch.tensor(values, dtype=torch.long)
-        if values.dtype == torch.bool:
-            if values.shape != (U,):
-                raise ValueError(f"recoverable mask must have shape ({U},), got {tuple(values.shape)}")
-            return values.clone()
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dim() != 1:
-            raise ValueError("recoverable must be a bool mask of length num_units or a 1-D tensor of indices")
-        if values.numel() and (int(values.min()) < 0 or int(values.max()) >= U):
-            raise ValueError(f"recoverable indices must lie in [0, {U}), got {values.tolist()}")
-        mask = torch.zeros(U, dtype=torch.bool)
-        mask[values.long()] = True
-        return mask
 
     def _reset_state(self) -> None:
         U, W = self.num_units, self.config.window

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from gnmr_hf.core.controller import unit_mask
+
 __all__ = [
     "METRICS",
     "OracleAccumulator",
@@ -127,30 +129,12 @@ def _as_gaps(gaps: Any) -> list[float]:
 
 
 def _as_recoverable(recoverable: Any, num_units: int) -> list[bool]:
-    if recoverable is None:
-        return [True] * num_units
-    rec = recoverable.tolist() if isinstance(recoverable, torch.Tensor) else list(recoverable)
-    if len(rec) != num_units or not all(isinstance(r, bool) for r in rec):
-        raise ValueError(f"recoverable must be {num_units} bools (one per unit)")
-    return rec
+    return [True] * num_units if recoverable is None else unit_mask(recoverable, num_units).tolist()
 
 
 def _as_set(chosen: Any, num_units: int) -> set[int]:
     """A chosen set from a bool mask [U] (tensor or list) or from unit indices."""
-    if isinstance(chosen, torch.Tensor):
-        if chosen.dtype == torch.bool:
-            if chosen.shape != (num_units,):
-                raise ValueError(f"a chosen mask must have shape ({num_units},), got {tuple(chosen.shape)}")
-            return set(chosen.nonzero().flatten().tolist())
-        chosen = chosen.tolist()
-    items = list(chosen)
-    if items and all(isinstance(v, bool) for v in items):
-        if len(items) != num_units:
-            raise ValueError(f"a chosen mask must have {num_units} entries, got {len(items)}")
-        return {b for b, v in enumerate(items) if v}
-    if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < num_units for v in items):
-        raise ValueError(f"chosen must be a bool mask of {num_units} entries or unit indices in [0, {num_units})")
-    return set(items)
+    return set(unit_mask(chosen, num_units, "chosen").nonzero().flatten().tolist())
 
 
 def _check_budget(max_active: Any) -> int:

@@ -55,7 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from gnmr_hf.core.controller import GNMRConfig, GNMRController
+from gnmr_hf.core.controller import GNMRConfig, GNMRController, unit_mask
 
 __all__ = [
     "POLICIES",
@@ -149,12 +149,7 @@ def _as_vector(values: Any, num_units: int, what: str) -> list[float]:
 
 
 def _recoverable_list(recoverable: Any, num_units: int) -> list[bool]:
-    if recoverable is None:
-        return [True] * num_units
-    rec = recoverable.tolist() if isinstance(recoverable, torch.Tensor) else list(recoverable)
-    if len(rec) != num_units or not all(isinstance(r, bool) for r in rec):
-        raise ValueError(f"recoverable must be {num_units} bools (one per unit), got {rec!r}")
-    return rec
+    return [True] * num_units if recoverable is None else unit_mask(recoverable, num_units).tolist()
 
 
 def _top_k(score: Sequence[float], k: int, eligible: Sequence[bool], highest: bool = True) -> list[int]:
