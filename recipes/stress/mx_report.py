@@ -1,0 +1,185 @@
+"""Tables and heat maps from MX proxy runs (the JSONs of recipes/stress/mx_proxy.py).
+
+    python recipes/stress/mx_report.py bench/results/mx_sweep                  # the sweep table
+    python recipes/stress/mx_report.py bench/results/mx_methods --methods      # GNMR vs the baselines
+    python recipes/stress/mx_report.py bench/results/mx_oracle --oracle --heatmap docs/mx_gap_heatmap.png
+
+Outcome codes per seed: ``.`` no spike, ``S<n>`` n spikes, ``D`` diverged (``D`` wins over ``S``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+SWEEP_KEYS = ("width", "depth", "batch", "lr", "fmt", "steps", "method", "cosine", "teacher_std")
+METHOD_ORDER = ("bf16", "fixed", "gnmr", "random", "adapt", "gsnr")
+
+
+def load_runs(folder: str | Path) -> list[dict[str, Any]]:
+    """Every finished run JSON in ``folder`` (sorted by name)."""
+    runs = []
+    for path in sorted(Path(folder).glob("*.json")):
+        run = json.loads(path.read_text())
+        run["_name"] = path.stem
+        runs.append(run)
+    return runs
+
+
+def outcome(run: dict[str, Any]) -> str:
+    """``D`` (diverged), ``S<n>`` (n spikes) or ``.`` (clean)."""
+    if run["diverged"]:
+        return "D"
+    return f"S{run['n_spikes']}" if run["n_spikes"] else "."
+
+
+def unstable(run: dict[str, Any]) -> bool:
+    return bool(run["diverged"] or run["n_spikes"])
+
+
+def _fmt(v: float | None, spec: str = ".4g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _median_range(values: list[float]) -> str:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> str:
+    """One row per configuration (seeds pooled): outcome per seed, unstable seeds, best/final losses."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        cfg = run["config"]
+        groups.setdefault(tuple(cfg[k] for k in SWEEP_KEYS), []).append(run)
+    lines = ["| width | depth | batch | lr | format | steps | method | cosine | teacher std | outcome per seed "
+             "| unstable | min train loss, median [range] | final val loss, median [range] | wall s (median) |",
+             "|" + "---|" * 14]
+    for key in sorted(groups, key=lambda k: tuple(str(v) for v in k[:6]) + (_method_rank(k[6]),)):
+        rs = sorted(groups[key], key=lambda r: r["config"]["seed"])
+        fmt_name = "bf16" if key[6] == "bf16" else key[4]
+        cells = [str(key[0]), str(key[1]), str(key[2]), f"{key[3]:g}", fmt_name, str(key[5]), key[6],
+                 "yes" if key[7] else "no", f"{key[8]:g}",
+                 " ".join(f"{r['config']['seed']}:{outcome(r)}" for r in rs),
+                 f"{sum(unstable(r) for r in rs)}/{len(rs)}",
+                 _median_range([r["min_train_loss"] for r in rs]),
+                 _median_range([r["final_val_loss"] for r in rs]),
+                 f"{statistics.median(r['wall_time_s'] for r in rs):.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _method_rank(method: str) -> int:
+    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def methods_table(runs: list[dict[str, Any]]) -> str:
+    """GNMR against the baselines at one setting: one row per method, seeds pooled."""
+    by_method: dict[str, list[dict]] = {}
+    for run in runs:
+        by_method.setdefault(run["config"]["method"], []).append(run)
+    lines = ["| method | seeds | runs with spikes | diverged | final val loss, median [range] | promotion ratio "
+             "| hit-maxO rate | GNMR exceed. | Delta exceed. | wall s, median [range] |",
+             "|" + "---|" * 10]
+    for method in sorted(by_method, key=_method_rank):
+        rs = by_method[method]
+        def mean(key: str, rs: list[dict] = rs) -> float | None:
+            return statistics.mean(r[key] for r in rs) if rs[0].get(key) is not None else None
+
+        cells = [method, str(len(rs)), f"{sum(bool(r['n_spikes']) for r in rs)}/{len(rs)}",
+                 f"{sum(bool(r['diverged']) for r in rs)}/{len(rs)}",
+                 _median_range([r["final_val_loss"] for r in rs]),
+                 _fmt(statistics.mean(r["promotion_ratio"] for r in rs), ".3f"),
+                 _fmt(mean("hit_max_rate"), ".3f"), _fmt(mean("gnmr_exceedance_rate"), ".3f"),
+                 _fmt(mean("delta_exceedance_rate"), ".3f"),
+                 _median_range([r["wall_time_s"] for r in rs])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def oracle_table(runs: list[dict[str, Any]]) -> str:
+    """Per trigger, how close its recovery set comes to the oracle's (runs with ``--oracle``)."""
+    lines = ["| method | seed | steps scored | precision@maxO | recall | captured-gap fraction "
+             "| oracle's captured fraction | mean gap |",
+             "|" + "---|" * 8]
+    for run in sorted((r for r in runs if "oracle" in r), key=lambda r: (_method_rank(r["config"]["method"]),
+                                                                          r["config"]["seed"])):
+        o = run["oracle"]
+        gaps = [g for row in run["per_unit"]["gap"] for g in row if math.isfinite(g)]
+        cells = [run["config"]["method"], str(run["config"]["seed"]), _fmt(o.get("steps"), ".0f"),
+                 _fmt(o.get("precision_at_k"), ".3f"), _fmt(o.get("recall"), ".3f"), _fmt(o.get("captured"), ".3f"),
+                 _fmt(o.get("oracle_captured"), ".3f"),
+                 _fmt(statistics.mean(gaps) if gaps else None, ".3g")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def heatmap(run: dict[str, Any], path: str | Path) -> None:
+    """Per-step recovery gap beside the per-step GNMR of one oracle run (units x steps), with the
+    recovery set marked on both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    per = run["per_unit"]
+    gap = np.array(per["gap"], dtype=float).T  # [U, T]
+    panels = [("recovery gap ||g_MX - g_BF16|| / ||g_BF16||", gap)]
+    if per.get("gnmr"):
+        panels.append(("GNMR", np.array(per["gnmr"], dtype=float).T))
+    T = gap.shape[1]
+    active = np.zeros_like(gap)
+    for t, idx in enumerate(per["active"][:T]):
+        active[idx, t] = 1
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 1.6 + 1.2 * len(panels) * gap.shape[0] / 4),
+                             sharex=True, squeeze=False)
+    for ax, (title, data) in zip(axes[:, 0], panels):
+        im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
+        ys, xs = np.nonzero(active)
+        ax.scatter(xs, ys, s=1, c="red", marker="s", linewidths=0)
+        ax.set_ylabel("block")
+        ax.set_title(f"{title}; red: on the BF16 path")
+        fig.colorbar(im, ax=ax)
+    cfg = run["config"]
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(f"{cfg['method']} {cfg['fmt']} d={cfg['width']} L={cfg['depth']} lr={cfg['lr']:g} seed={cfg['seed']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder")
+    p.add_argument("--methods", action="store_true", help="the GNMR-vs-baselines table instead of the sweep table")
+    p.add_argument("--oracle", action="store_true", help="the oracle-agreement table")
+    p.add_argument("--heatmap", help="save the gap/GNMR heat map of the first GNMR oracle run here")
+    args = p.parse_args(argv)
+    runs = load_runs(args.folder)
+    if not runs:
+        raise SystemExit(f"no run JSONs in {args.folder}")
+    if args.oracle:
+        print(oracle_table(runs))
+    elif args.methods:
+        print(methods_table(runs))
+    else:
+        print(sweep_table(runs))
+    if args.heatmap:
+        pick = [r for r in runs if "oracle" in r and r["config"]["method"] == "gnmr"] or [r for r in runs if "oracle" in r]
+        if not pick:
+            raise SystemExit("no oracle run for the heat map")
+        heatmap(pick[0], args.heatmap)
+        print(f"heat map: {args.heatmap} ({pick[0]['_name']})")
+
+
+if __name__ == "__main__":
+    main()
