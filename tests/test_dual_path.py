@@ -513,15 +513,20 @@ def test_errors(tiny_llama_dir, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("storage", ["host", "disk", "device"])
-def test_gpu_promotion_copies_on_a_side_stream(tiny_llama_dir, ids, storage):
+@pytest.mark.parametrize("low", ["int8", "nf4"])
+def test_gpu_promotion_copies_on_a_side_stream(tiny_llama_dir, ids, storage, low):
     dev = torch.device("cuda", torch.cuda.current_device())
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    if low == "int8":
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(
-        tiny_llama_dir, quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype=torch.bfloat16,
-        device_map={"": dev.index},
+        tiny_llama_dir, quantization_config=quant, dtype=torch.bfloat16, device_map={"": dev.index}
     ).eval()
     model = gnmr_hf.prepare_dual_path(model, tiny_llama_dir, storage=storage)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, DUAL_TYPES[low])
     ref = load(tiny_llama_dir, False, torch.bfloat16).to(dev)
     q = model.model.layers[0].self_attn.q_proj
     if storage == "host":
