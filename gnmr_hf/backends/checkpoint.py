@@ -61,13 +61,6 @@ class CheckpointIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.file_of
 
-    def nbytes(self, key: str, dtype: torch.dtype) -> int:
-        """Bytes of tensor ``key`` once held in ``dtype`` (from the header alone)."""
-        n = 1
-        for s in self.shape_of[key]:
-            n *= s
-        return n * torch.empty((), dtype=dtype).element_size()
-
     def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """Read one tensor into (pageable) CPU memory, cast to ``dtype``."""
         return self.read_many([key], dtype)[key]
