@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ("bf16", "int8", "gnmr")
+# also accepted by --precisions: the 4-bit variants of the recipe (QLoRA's NF4 base, and GNMR over it)
+ALL_PRECISIONS = PRECISIONS + ("nf4", "gnmr-nf4")
 # LLaMA-2 13B (meta-llama/Llama-2-13b-hf config.json)
 SHAPE_13B = dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=40,
                  vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median (default 3)")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512, help="max_seq_len of the recipe (default 512)")
-    p.add_argument("--precisions", default=",".join(PRECISIONS))
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {ALL_PRECISIONS}")
     p.add_argument("--storage", default="host", choices=("host", "device", "disk"), help="gnmr_storage")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shape (2 layers, hidden 64) on the CPU, 2 steps: checks the machinery, no GPU")
@@ -91,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     precisions = [x.strip() for x in args.precisions.split(",") if x.strip()]
-    bad = [x for x in precisions if x not in PRECISIONS]
+    bad = [x for x in precisions if x not in ALL_PRECISIONS]
     if bad:
-        p.error(f"unknown precision(s) {bad}; choose from {PRECISIONS}")
+        p.error(f"unknown precision(s) {bad}; choose from {ALL_PRECISIONS}")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -147,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             "--max_steps", str(steps), "--per_device_train_batch_size", str(args.batch_size),
             "--gradient_accumulation_steps", "1", "--max_seq_len", str(seq_len),
             "--logging_steps", "1", "--save_strategy", "no",
-            "--gnmr_max_active", str(max_active), "--gnmr_storage", args.storage,
+            "--gnmr.max_active", str(max_active), "--gnmr.storage", args.storage,
         ]
         if args.dry_run:  # CPU: no BF16 autocast, no checkpointing (nothing to save on a tiny model)
-            overrides += ["--bf16_autocast", "false", "--gradient_checkpointing", "false"]
+            overrides += ["--bf16", "false", "--activation_checkpointing", "false"]
         cfg = ft.load_config(overrides)
         timer = StepTimer()
         t1 = time.time()
