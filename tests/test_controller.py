@@ -453,6 +453,25 @@ def test_negative_norm_rejected_and_state_untouched():
     assert json.dumps(ctrl.state_dict()) == before
 
 
+@pytest.mark.parametrize("bad", [[NAN, -1.0, 1.0], [-INF, 1.0, NAN], [1.0, 1.0, -1e-300]])
+def test_negative_norm_found_beside_nonfinite_ones(bad):
+    ctrl = GNMRController(3)
+    ctrl.step(torch.tensor([1.0, 2.0, 3.0]))
+    before = json.dumps(ctrl.state_dict())
+    with pytest.raises(ValueError, match="1 negative value"):
+        ctrl.step(torch.tensor(bad, dtype=torch.float64))
+    assert json.dumps(ctrl.state_dict()) == before
+
+
+def test_integer_norms_and_the_callers_tensor_untouched():
+    ctrl = GNMRController(3, GNMRConfig(max_active=1, alpha=2.0))
+    ctrl.step(torch.tensor([1, 1, 1]))
+    assert ctrl.step(torch.tensor([1, 4, 1])).tolist() == [False, True, False]
+    norms = torch.tensor([-0.0, 1.0, 1.0], dtype=torch.float64)
+    ctrl.step(norms)
+    assert math.copysign(1.0, float(norms[0])) == -1.0  # the controller worked on its own copy
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_any_float_dtype_and_a_copy_is_returned(dtype):
     ctrl = GNMRController(3, GNMRConfig(max_active=1, alpha=2.0))

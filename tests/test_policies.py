@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gnmr_hf.core.controller import GNMRConfig, GNMRController
 from gnmr_hf.core.policies import (
@@ -286,6 +288,16 @@ def test_random_budget_schedule_by_hand():
     q = RandomBudgetPolicy(U, 0.29)
     assert sum(q.count(s) for s in range(1, 101)) == 29
     assert sum(RandomBudgetPolicy(U, 0.0).count(s) for s in range(1, 50)) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 100 * U), st.integers(1, 300))
+def test_random_budget_schedule_holds_the_mean(hundredths, steps):
+    m = hundredths / 100  # a float like a summary's mean; read as the exact hundredths
+    p = RandomBudgetPolicy(U, m)
+    counts = [p.count(s) for s in range(1, steps + 1)]
+    assert sum(counts) == hundredths * steps // 100  # floor(m * T), exactly
+    assert set(counts) <= {math.floor(m), math.ceil(m)}
 
 
 def test_random_budget_matches_a_gnmr_run_and_draws_recoverable_units_only():
