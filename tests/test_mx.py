@@ -8,6 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from gnmr_hf.backends.base import (
@@ -192,6 +194,41 @@ def test_mx_clamp_fraction_counts_saturated_values():
     x = torch.tensor([[7.0, 5.9, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     assert mx_clamp_fraction(x, "mxfp4_e2m1", block_size=4) == pytest.approx(1 / 8)
     assert mx_clamp_fraction(torch.tensor([4.0, 1.0]), "mxfp4_e2m1") == 0.0
+
+
+_values = st.lists(
+    st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, allow_subnormal=False, width=32), min_size=1, max_size=70
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=_values, fmt=st.sampled_from(FORMATS), shift=st.integers(-20, 20))
+def test_mx_properties(values, fmt, shift):
+    spec = MX_FORMATS[fmt]
+    x = torch.tensor(values, dtype=torch.float32)
+    q = mx_fake_quantize(x, fmt)
+    assert torch.isfinite(q).all()
+    assert torch.equal(mx_fake_quantize(q, fmt), q)  # idempotent: the block maximum keeps its binade
+    assert torch.equal(mx_fake_quantize(-x, fmt), -q)  # symmetric
+    big = x.abs().max().item() >= 2.0**-60  # far from the E8M0 floor, so shifting the block is exact
+    if big:
+        assert torch.equal(mx_fake_quantize(x * 2.0**shift, fmt), q * 2.0**shift)
+    # elementwise: monotone within a block, and within half a grid spacing of x unless saturated
+    for lo in range(0, len(values), 32):
+        xb, qb = x[lo:lo + 32].double(), q[lo:lo + 32].double()
+        order = torch.argsort(xb)
+        assert torch.all(qb[order][1:] >= qb[order][:-1])
+        amax = xb.abs().max().item()
+        if amax == 0:
+            assert torch.all(qb == 0)
+            continue
+        scale = 2.0 ** max(math.floor(math.log2(amax)) - spec.emax, -127)
+        for v, r in zip(xb.tolist(), qb.tolist()):
+            e = max(math.floor(math.log2(abs(v) / scale)) if v else spec.emin, spec.emin)
+            if abs(v) / scale <= spec.max_normal:
+                assert abs(r - v) <= 0.5 * scale * 2.0 ** (e - spec.mbits)
+            else:
+                assert r == math.copysign(spec.max_normal * scale, v)
 
 
 def _torchao():
