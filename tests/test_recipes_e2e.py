@@ -207,7 +207,8 @@ def test_bench_13b_shape_without_gpu_says_so():
 @pytest.mark.slow
 def test_demo_nf4_end_to_end_and_resume(tmp_path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "gnmr_hf.cli", "demo", "--out", str(out), "--low", "nf4", "--precisions",
+    # the installed console script, next to this interpreter
+    cmd = [str(Path(sys.executable).parent / "gnmr-hf"), "demo", "--out", str(out), "--low", "nf4", "--precisions",
            "gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
            "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
