@@ -6,7 +6,8 @@ block-scaled MX format and lets GNMR move decoder layers (or residual blocks) to
 - :func:`mx_fake_quantize` rounds a tensor onto an MX grid (OCP MX v1.0) and de-quantises it again,
   so the rest of the computation stays in ordinary float dtypes ("fake" or emulated quantisation).
 - :class:`MXLinear` is an ``nn.Linear`` whose low-cost path fake-quantises both operands of every
-  GEMM, forward and backward, and whose recovery path is the plain linear in BF16.
+  GEMM, forward and backward, and whose recovery path is the plain linear in BF16 (native, or
+  emulated with FP32 GEMMs on BF16-rounded values for CPUs without BF16 matrix units).
 - With ``quantize_norms=True`` the norm layers inside a unit fake-quantise their affine weight on the
   low path (the study's trigger of the instability) and switch with the unit.
 - :func:`prepare_mx` converts the linears (and optionally norms) inside each unit, in place;
@@ -389,10 +390,10 @@ _NORM_CLASSES: dict[type, type] = {}
 def is_norm(module: nn.Module) -> bool:
     """A LayerNorm / RMSNorm (torch's, or a class named ``...LayerNorm`` / ``...RMSNorm`` such as
     ``LlamaRMSNorm``) with a 1-D affine ``weight``."""
-    named = type(module).__name__.endswith(("LayerNorm", "RMSNorm"))
+    if not (isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("LayerNorm", "RMSNorm"))):
+        return False
     weight = getattr(module, "weight", None)
-    return (isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or named) and isinstance(weight, nn.Parameter) \
-        and weight.dim() == 1
+    return isinstance(weight, nn.Parameter) and weight.dim() == 1
 
 
 def _mx_norm_class(base: type) -> type:
