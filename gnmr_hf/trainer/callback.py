@@ -128,6 +128,7 @@ class GNMRCallback(TrainerCallback):
         self._dual: list = []  # the model's dual-path modules, for the recovery bytes
         self._accelerator: Any = None
         self._step_sq: torch.Tensor | None = None  # this step's per-unit squared norms, from the clip
+        self._scale_before: float | None = None  # the fp16 loss scale before this step's optimizer step
         self._micro: list[torch.Tensor] = []  # this window's micro-batch squared norms (unscaled)
         self._micro_snapshot: list[torch.Tensor | None] | None = None
         self._trace: TraceWriter | None = None
@@ -237,6 +238,8 @@ class GNMRCallback(TrainerCallback):
             self._observe_microbatch(last=True)  # before the unscale: every snapshot in one scale
         self._accelerator.unscale_gradients()
         total, self._step_sq = self._norms.clip_(parameters, max_norm)
+        scaler = self._accelerator.scaler
+        self._scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
         return total
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -265,7 +268,7 @@ class GNMRCallback(TrainerCallback):
         else:
             norms = norms.cpu()
         micro, self._micro = self._micro, []
-        if self._accelerator is not None and self._accelerator.optimizer_step_was_skipped:
+        if self._step_was_skipped():
             # the loss scaler found inf/NaN and skipped the update: not a gradient spike, not a statistic
             record = {"skipped": True}
         else:
@@ -280,6 +283,16 @@ class GNMRCallback(TrainerCallback):
             self._ranks.launch(step, self._active)
         self._last_step = step
         self._record(step, norms, record, model)
+
+    def _step_was_skipped(self) -> bool:
+        if self._accelerator is None:
+            return False
+        if self._scale_before is not None:
+            # the scaler backs off exactly when it found inf/NaN; accelerate's optimizer_step_was_skipped
+            # misses it with optimizers that skip by themselves (fused AdamW, the Trainer's default)
+            skipped, self._scale_before = self._accelerator.scaler.get_scale() < self._scale_before, None
+            return skipped
+        return bool(self._accelerator.optimizer_step_was_skipped)
 
     def _observe_microbatch(self, last: bool) -> None:
         grads = self._norms.grads()
