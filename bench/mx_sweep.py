@@ -53,16 +53,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the run JSONs and logs")
     p.add_argument("--grid", nargs="+", required=True, help="key=v1,v2 ... (ProxyConfig fields)")
-    p.add_argument("--extra", nargs="*", default=[], help="flags passed to every run (write --extra=--oracle)")
+    p.add_argument("--extra", action="append", default=None,
+                   help="a flag passed to every run, repeatable (write --extra=--oracle)")
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--dry-run", action="store_true", help="list the runs that would start")
     args = p.parse_args(argv)
+    args.extra = args.extra or []
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     todo = points(parse_grid(args.grid))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     for i, point in enumerate(todo, 1):
-        name = run_name(point) + ("_" + "".join(a.strip("-") for a in args.extra) if args.extra else "")
+        name = run_name(point) + ("_" + "_".join(a.strip("-") for a in args.extra) if args.extra else "")
         target = out / f"{name}.json"
         if target.exists():
             print(f"[{i}/{len(todo)}] skip {name} (done)", flush=True)

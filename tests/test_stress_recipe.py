@@ -35,8 +35,17 @@ def runs(pretrain, tmp_path_factory):
     cfg = pretrain.load_config(STRESS / "configs" / "cpu_tiny.yaml", [f"data.cache_dir={base / 'cache'}"])
     out = {}
     for method in pretrain.METHODS:
-        out[method] = (pretrain.run(cfg, method, base / method), base / method)
+        if method != "fixed":  # "fixed" is the MX path's all-low method
+            out[method] = (pretrain.run(cfg, method, base / method), base / method)
     return out
+
+
+@pytest.fixture(scope="module")
+def mx_runs(pretrain, tmp_path_factory):
+    """The MX low path (--low mxfp4) for 4 steps, each kind of method once."""
+    base = tmp_path_factory.mktemp("stress_mx")
+    cfg = pretrain.load_config(STRESS / "configs" / "cpu_tiny.yaml", [f"data.cache_dir={base / 'cache'}"])
+    return {m: (pretrain.run(cfg, m, base / m, low="mxfp4"), base / m) for m in ("bf16", "fixed", "gnmr", "adapt")}
 
 
 def _lines(path: Path) -> list[dict]:
@@ -140,3 +149,45 @@ def test_resume_from_checkpoint_is_exact(pretrain, runs, tmp_path):
     assert [r["step"] for r in _lines(out / "metrics.jsonl") if "step_time" in r] == [1, 2, 3, 4, 3, 4]
     assert resumed["final_eval_loss"] == full["final_eval_loss"]
     assert resumed["policy_summary"] == full["policy_summary"]
+
+
+# ---------------------------------------------------------------- the MX low path (--low mxfp4)
+@pytest.mark.slow
+def test_stress_mx_low_path_trains_and_switches_layers(mx_runs):
+    finals = {}
+    for method, (res, out) in mx_runs.items():
+        assert res["low"] == "mxfp4_e2m1" and res["num_units"] == 2  # the decoder layers are the units
+        assert math.isfinite(res["final_eval_loss"]) and res["final_eval_loss"] < math.log(384)
+        finals[method] = res["final_eval_loss"]
+        seen = {r["step"]: r["active"] for r in _lines(out / "metrics.jsonl") if "step_time" in r}
+        assert sorted(seen) == [1, 2, 3, 4]
+        if method == "bf16":
+            assert all(v == [0, 1] for v in seen.values())
+        if method == "fixed":
+            assert all(v == [] for v in seen.values())
+        if method == "adapt":  # BF16 warm-up (W = 2), then its fixed set of 1 (25 % of 2 layers, at least 1)
+            assert seen[1] == seen[2] == [0, 1] and seen[3] == seen[4] and len(seen[3]) == 1
+        if method == "gnmr":
+            trace = _lines(out / "gnmr_trace.jsonl")
+            assert seen[1] == [] and all(seen[r["step"] + 1] == r["active"] for r in trace[:-1])
+    # the MX path changes the numbers: BF16 and all-MX end at different losses
+    assert finals["bf16"] != finals["fixed"]
+
+
+def test_stress_mx_low_path_converts_the_layers(pretrain):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gnmr_hf.backends.mx import MXLinear
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=16))
+    units = pretrain.apply_method(model, "gnmr", {"mx": {}}, pretrain.resolve_low("mxfp8"))
+    assert [n for n, _ in units] == ["model.layers.0", "model.layers.1"]
+    assert sum(isinstance(m, MXLinear) for m in model.modules()) == 14  # 7 projections x 2 layers
+    assert not isinstance(model.lm_head, MXLinear)  # outside the units
+    with pytest.raises(ValueError, match="--low"):
+        pretrain.resolve_low("fp4")
+    with pytest.raises(ValueError, match="use 'fixed'"):
+        pretrain.apply_method(model, "fixed4", {"mx": {}}, "mxfp4_e2m1")
+    with pytest.raises(ValueError, match="needs an MX low path"):
+        pretrain.apply_method(model, "fixed", {"quant": {"low_bits": 4, "high_bits": 8}}, "act")

@@ -15,9 +15,23 @@ projections (7 operator units per layer) are quantised token-wise for the backwa
 Every dynamic method runs through ``GNMRCallback(policy=...)``, the same callback and actuator
 (``set_active_units``) the INT8/BF16 LoRA path uses.
 
+With ``--low mxfp4`` (or ``mxfp6``, ``mxfp8``, or a full name such as ``mxfp8_e5m2``) the low path is
+instead an OCP MX format for every linear of every decoder layer (weights, activations and gradients,
+``gnmr_hf.backends.mx.prepare_mx``; 8 units = the decoder layers, not operators) and the recovery
+path is BF16 (float32 GEMMs on BF16-rounded operands, fast on CPUs without BF16 matrix units):
+
+    method   decoder layers                                      trigger
+    bf16     all on the BF16 path                                -
+    fixed    all on the MX path                                  -
+    gnmr / random / gsnr   MX, up to max_active layers in BF16   as above
+    adapt    BF16 warm-up, then a fixed top-25 % in BF16         ADAPT-style static profile
+
+``fixed4`` / ``fixed8`` belong to the activation path and ``fixed`` to the MX path. The validation
+loss is the mean cross-entropy per token (``final_eval_loss``), evaluated on the path in effect.
+
 Usage:
     python recipes/stress/pretrain.py --config recipes/stress/configs/cpu_bench.yaml --method gnmr \
-        --output_dir runs/stress/gnmr [train.max_steps=600 gnmr.max_active=4 ...]
+        --output_dir runs/stress/gnmr [--low mxfp4] [train.max_steps=600 gnmr.max_active=4 ...]
 
 Writes ``<output_dir>/metrics.jsonl`` (per-step time, loss, saved-activation bytes, active units, eval
 loss) and ``<output_dir>/result.json`` (final validation perplexity, the policy summary, step time and
@@ -42,7 +56,9 @@ import yaml
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-METHODS = ("bf16", "fixed8", "fixed4", "gnmr", "adapt", "gsnr", "random")
+METHODS = ("bf16", "fixed8", "fixed4", "fixed", "gnmr", "adapt", "gsnr", "random")
+# short names for the MX element formats of --low
+MX_ALIASES = {"mxfp4": "mxfp4_e2m1", "mxfp6": "mxfp6_e2m3", "mxfp8": "mxfp8_e4m3"}
 DYNAMIC = ("gnmr", "adapt", "gsnr", "random")
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"
@@ -197,29 +213,52 @@ def build_model(cfg: dict, vocab_size: int, dtype: torch.dtype):
     return LlamaForCausalLM(config).to(dtype)
 
 
-def apply_method(model, method: str, cfg: dict):
-    """Convert the projections for ``method``; returns the operator units."""
+def resolve_low(low: str) -> str:
+    """``"act"`` (saved-activation quantisation) or the full name of an MX element format."""
+    from gnmr_hf.backends.mx import MX_FORMATS
+
+    if low == "act":
+        return low
+    name = MX_ALIASES.get(low, low)
+    if name not in MX_FORMATS:
+        raise ValueError(f"--low must be 'act', one of {sorted(MX_ALIASES)} or one of {sorted(MX_FORMATS)}, got {low!r}")
+    return name
+
+
+def apply_method(model, method: str, cfg: dict, low: str = "act"):
+    """Convert the projections for ``method`` on the ``low`` path; returns the units."""
+    if low != "act":
+        if method in ("fixed4", "fixed8"):
+            raise ValueError(f"method {method!r} is for the activation path; with --low {low} use 'fixed'")
+        from gnmr_hf.backends.mx import prepare_mx
+        from gnmr_hf.units import resolve_units
+
+        mx = cfg.get("mx", {})
+        prepare_mx(model, fmt=low, block_size=mx.get("block_size", 32), quantize_norms=mx.get("quantize_norms", False),
+                   emulate_bf16=mx.get("emulate_bf16", True))
+        return resolve_units(model)  # the decoder layers
+    if method == "fixed":
+        raise ValueError("method 'fixed' needs an MX low path (--low mxfp4, ...); use fixed4 or fixed8 here")
     from gnmr_hf.backends.act_quant import prepare_act_quant
 
     q = cfg["quant"]
-    low = {"bf16": None, "fixed8": q["high_bits"], "fixed4": q["low_bits"]}.get(method, q["low_bits"])
-    return prepare_act_quant(model, low_bits=low, high_bits=q["high_bits"], units="operators")
+    low_bits = {"bf16": None, "fixed8": q["high_bits"], "fixed4": q["low_bits"]}.get(method, q["low_bits"])
+    return prepare_act_quant(model, low_bits=low_bits, high_bits=q["high_bits"], units="operators")
 
 
-def build_policy(method: str, cfg: dict, num_units: int, max_steps: int, max_active: int | None = None):
-    from gnmr_hf.core.controller import GNMRConfig
+def build_policy(method: str, cfg: dict, num_units: int, max_steps: int, max_active: int | None = None,
+                 units: list[int] | None = None):
+    from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
     from gnmr_hf.core.policies import make_policy
 
     g = dict(cfg["gnmr"])
     if max_active is not None:
         g["max_active"] = max_active
-    init_fraction = g.pop("init_fraction", 0.0)
-    if init_fraction:
-        g["init_steps"] = max(1, round(init_fraction * max_steps))
+    g["init_steps"] = init_steps_from_fraction(g.pop("init_fraction", 0.0), max_steps)
     gcfg = GNMRConfig(**g)
     b = cfg.get("baselines", {})
     return make_policy(method, num_units, gcfg, warmup_steps=b.get("adapt_warmup_steps"),
-                       fraction=b.get("adapt_fraction", 0.25), seed=b.get("random_seed", 0)), gcfg
+                       fraction=b.get("adapt_fraction", 0.25), seed=b.get("random_seed", 0), units=units), gcfg
 
 
 # ---------------------------------------------------------------- bookkeeping callbacks
@@ -244,6 +283,22 @@ class _Callbacks:
                 set_full_precision(model, state.global_step < steps)
 
         return FullPrecisionWarmup()
+
+    @staticmethod
+    def recovery_warmup(model, units, steps: int):
+        from gnmr_hf.backends.base import set_active_units
+
+        class RecoveryWarmup(_trainer_callback_base()):
+            """ADAPT-style baseline on the MX path: steps 1..W run every unit on the recovery (BF16) path.
+
+            The policy returns an empty set during its profile, so the GNMR callback leaves the modules
+            alone until the profile ends and its fixed set replaces this one."""
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step < steps:  # global_step is t-1 at the beginning of step t
+                    set_active_units(model, range(len(units)), units)
+
+        return RecoveryWarmup()
 
     @staticmethod
     def metrics(model, units, out_path: Path, policy=None):
@@ -297,8 +352,16 @@ class _Callbacks:
 
 
 # ---------------------------------------------------------------- main
-def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = False) -> dict:
-    """Pre-train one method; returns (and writes) the result record."""
+def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = False, low: str = "act") -> dict:
+    """Pre-train one method; returns (and writes) the result record.
+
+    Args:
+        cfg (`dict`): the loaded config (:func:`load_config`).
+        method (`str`): one of ``METHODS``.
+        output_dir: where metrics, checkpoints and ``result.json`` go.
+        resume (`bool`): continue from the latest checkpoint in ``output_dir``.
+        low (`str`): ``"act"`` (saved-activation quantisation) or an MX format (``"mxfp4"``, ...).
+    """
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     if method not in METHODS:
@@ -311,7 +374,8 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     tokenizer, train_ds, val_ds, data_info = build_data(cfg, cache_dir)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[tr.get("dtype", "bfloat16")]
     model = build_model(cfg, len(tokenizer), dtype)
-    units = apply_method(model, method, cfg)
+    low = resolve_low(low)
+    units = apply_method(model, method, cfg, low)
     max_steps = tr["max_steps"]
 
     from gnmr_hf.trainer.callback import GNMRCallback
@@ -319,11 +383,19 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     # every trigger, the controller included, goes through the same policy slot and actuator. The fixed
     # methods get the controller with max_active = 0: a pure monitor (their Table 3 figures), never
     # promoting anything, and the same per-step callback cost as the dynamic methods.
-    policy, _ = build_policy(method if method in DYNAMIC else "gnmr", cfg, len(units), max_steps,
-                             max_active=None if method in DYNAMIC else 0)
+    # On the MX path the BF16 method keeps every layer on the recovery path through a static set (the
+    # callback would otherwise put the monitor's empty set in place).
+    if low != "act" and method == "bf16":
+        policy, _ = build_policy("static_set", cfg, len(units), max_steps, max_active=len(units),
+                                 units=list(range(len(units))))
+    else:
+        policy, _ = build_policy(method if method in DYNAMIC else "gnmr", cfg, len(units), max_steps,
+                                 max_active=None if method in DYNAMIC else 0)
     callbacks: list = [GNMRCallback(units=[name for name, _ in units], policy=policy, trace=str(out / "gnmr_trace.jsonl"))]
     if method == "adapt":
-        callbacks.append(_Callbacks.full_precision_warmup(model, cfg["baselines"]["adapt_warmup_steps"]))
+        warmup = cfg["baselines"]["adapt_warmup_steps"]
+        callbacks.append(_Callbacks.full_precision_warmup(model, warmup) if low == "act"
+                         else _Callbacks.recovery_warmup(model, units, warmup))
     metrics_path = out / "metrics.jsonl"
     if not resume and metrics_path.exists():
         metrics_path.unlink()
@@ -370,6 +442,7 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     times = metrics.step_times[1:] or metrics.step_times  # the first step includes warm-up costs
     result = {
         "method": method,
+        "low": low,
         "final_eval_loss": final_loss,
         "final_ppl": math.exp(final_loss) if final_loss < 50 else float("inf"),
         "eval_curve": metrics.evals + [(max_steps, final_loss)],
@@ -396,11 +469,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    p.add_argument("--low", default="act",
+                   help="the low path: 'act' (saved-activation quantisation) or an MX format (mxfp4, mxfp6, mxfp8, ...)")
     p.add_argument("overrides", nargs="*", help="section.key=value (YAML values)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    res = run(cfg, a.method, a.output_dir, resume=a.resume)
-    print(json.dumps({k: res[k] for k in ("method", "final_ppl", "step_time_s", "peak_saved_act_MB", "wall_s")}))
+    res = run(cfg, a.method, a.output_dir, resume=a.resume, low=a.low)
+    print(json.dumps({k: res[k] for k in ("method", "low", "final_eval_loss", "final_ppl", "step_time_s", "peak_saved_act_MB", "wall_s")}))
     print(json.dumps(res["policy_summary"]))
 
 
