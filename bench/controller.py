@@ -2,7 +2,7 @@
 
 Run: OMP_NUM_THREADS=1 nice python bench/controller.py [--reps N] [--threads N]
 
-Targets (issue 11): a median of at most 50 us at U = 40 and 2 ms at U = 10,000 on one thread.
+Targets: a median of at most 50 us at U = 40 and 2 ms at U = 10,000 on one thread.
 
 The norms are float32 (as a callback gathers them) and drawn so that a realistic share of units
 is risky: most steps have a few candidates, and every 10th step has a burst of spikes larger than

@@ -30,14 +30,14 @@ The policies, by the name :func:`make_policy` knows them:
   paper's random baseline: the budget always full).
 - ``"random_budget"``: :class:`RandomBudgetPolicy`, a seeded uniform draw whose size follows a
   deterministic schedule with a given, possibly fractional, mean number of recovery units per step:
-  the "same budget as GNMR actually used" baseline of the NF4 comparison (issue 13).
+  the "same budget as GNMR actually used" baseline of the NF4 comparison.
 - ``"static_set"``: :class:`StaticSetPolicy`, a fixed set of units on the recovery path every step
   (for instance the units GNMR promoted most, see :func:`most_active_units`, or the first and last
   layers, see :func:`edge_units`): does *which* units matter, or only how many?
 - ``"gap_profile"``: :class:`GapProfilePolicy`, the top-k units by their measured recovery gap (the
   relative gradient error of the low path, :func:`gnmr_hf.core.oracle.recovery_gap`) averaged over a
   window of measurements: a trigger that knows the gap, profiled over the first steps and optionally
-  refreshed every N steps (issue 13); with a window of 1 refreshed every step it is the previous
+  refreshed every N steps; with a window of 1 refreshed every step it is the previous
   step's gap.
 
 The baselines report GNMR, Delta-GNMR and their exceedance counts like the controller does, so their
