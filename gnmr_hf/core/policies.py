@@ -26,8 +26,8 @@ The policies, by the name :func:`make_policy` knows them:
   recovery path for the rest of the run.
 - ``"gsnr"``: :class:`GSNRPolicy`, the gradient signal-to-noise ranking (paper Appendix E.5): every step
   the ``max_active`` units with the lowest GSNR over the accumulation window's micro-batches.
-- ``"random"``: :class:`RandomPolicy`, a seeded uniform draw of ``max_active`` units every step (the
-  paper's random baseline: the budget always full).
+- ``"random"``: :class:`RandomPolicy`, a seeded uniform draw of ``max_active`` units every step (a
+  project baseline, not in the paper: the budget always full, no signal).
 - ``"random_budget"``: :class:`RandomBudgetPolicy`, a seeded uniform draw whose size follows a
   deterministic schedule with a given, possibly fractional, mean number of recovery units per step:
   the "same budget as GNMR actually used" baseline of the NF4 comparison.
