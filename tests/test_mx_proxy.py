@@ -87,6 +87,11 @@ def test_mx_proxy_runs_each_method(method_runs, method):
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]  # it learns
     assert math.isfinite(r["final_val_loss"]) and [s for s, _ in r["val"]] == [3, 6]
+    assert [s for s, _ in r["val_train_path"]] == [3, 6]
+    if method == "bf16":  # the training path is the BF16 path
+        assert r["final_val_loss_train_path"] == r["final_val_loss"]
+    if method == "fixed":  # the MX path evaluates the same weights differently
+        assert r["final_val_loss_train_path"] != r["final_val_loss"]
     assert r["n_spikes"] == 0 and not r["diverged"]
     # the BF16 share actually run: bf16 all, fixed none; random fills max_active = 1 of 4 blocks from
     # step 2 on (step 1 starts on the low path): 5 / 24; adapt runs its 1-step warm-up in BF16, then

@@ -89,7 +89,8 @@ class ProxyConfig:
             (``prepare_mx(emulate_bf16=True)``): native BF16 GEMMs are ~10x slower than float32 on CPUs
             without BF16 matrix units.
         val_batches (`int`), val_batch_size (`int`), val_every (`int`): fixed validation set and how
-            often it is evaluated (always on the BF16 path, i.e. the quality of the weights).
+            often it is evaluated, twice: on the BF16 path (the weights' quality in BF16, ``val``) and
+            on the training path, the mask of the next step (the model as trained, ``val_train_path``).
         log_every (`int`): training losses kept in the JSON every this many steps (spikes are
             detected on every step).
         spike_factor (`float`): the spike / divergence threshold factor (10 in the study).
@@ -353,9 +354,11 @@ def _mask_indices(cfg: ProxyConfig, policy: Any, mask: torch.Tensor | None) -> l
 
 
 @torch.no_grad()
-def validate(student: Student, val: list[tuple[torch.Tensor, torch.Tensor]], active: list[int]) -> float:
-    """Mean validation MSE on the BF16 path; the training mask ``active`` is restored afterwards."""
-    set_active_units(student, range(len(student.blocks)), units=units)
+def validate(student: Student, val: list[tuple[torch.Tensor, torch.Tensor]], active: list[int],
+             on: list[int] | range | None = None) -> float:
+    """Mean validation MSE with the blocks ``on`` on the BF16 path (None: all of them, the weights'
+    quality in BF16); the training mask ``active`` is restored afterwards."""
+    set_active_units(student, range(len(student.blocks)) if on is None else on, units=units)
     loss = sum(F.mse_loss(student(x), y).item() for x, y in val) / len(val)
     set_active_units(student, active, units=units)
     return loss
@@ -423,6 +426,7 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
     params = unit_params(student)
 
     start, losses, val_losses, resumed, saved_mask = 0, [], [], None, None
+    val_train_path: list[list] = []  # not carried over a resume: the path may have changed
     if cfg.resume_from:
         ckpt = torch.load(cfg.resume_from, weights_only=False)
         student.load_state_dict(ckpt["student"])
@@ -483,6 +487,7 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
         step_times.append(time.perf_counter() - ts)
         if t % cfg.val_every == 0 or t == cfg.steps:
             val_losses.append([t, validate(student, val, active)])
+            val_train_path.append([t, validate(student, val, active, on=active)])
         if cfg.checkpoint_every and t % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, t, student, opt, sched, data, policy, mask, losses, val_losses)
     wall = time.perf_counter() - t0
@@ -497,6 +502,9 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
                    or (i + 1) <= start],
         "val": val_losses,
         "final_val_loss": val_losses[-1][1] if val_losses and val_losses[-1][0] == len(losses) else math.nan,
+        "val_train_path": val_train_path,
+        "final_val_loss_train_path": (val_train_path[-1][1] if val_train_path and val_train_path[-1][0] == len(losses)
+                                      else math.nan),
         "min_train_loss": min(finite) if finite else math.nan,
         "final_train_loss": losses[-1] if losses else math.nan,
         "steps_done": len(losses),

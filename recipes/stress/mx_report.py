@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-SWEEP_KEYS = ("width", "depth", "batch", "lr", "fmt", "steps", "method", "cosine", "teacher_std")
+SWEEP_KEYS = ("width", "depth", "batch", "lr", "fmt", "steps", "method", "cosine", "teacher_std", "quantize_norms")
 METHOD_ORDER = ("bf16", "fixed", "gnmr", "random", "adapt", "gsnr")
 
 
@@ -35,6 +35,14 @@ def outcome(run: dict[str, Any]) -> str:
     if run["diverged"]:
         return "D"
     return f"S{run['n_spikes']}" if run["n_spikes"] else "."
+
+
+def val_train_path(run: dict[str, Any]) -> float:
+    """Final validation loss on the training path; for a BF16 run that is the BF16 path by definition
+    (runs written before the training-path column existed)."""
+    if "final_val_loss_train_path" in run:
+        return run["final_val_loss_train_path"]
+    return run["final_val_loss"] if run["config"]["method"] == "bf16" else math.nan
 
 
 def unstable(run: dict[str, Any]) -> bool:
@@ -60,14 +68,15 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         cfg = run["config"]
         groups.setdefault(tuple(cfg[k] for k in SWEEP_KEYS), []).append(run)
-    lines = ["| width | depth | batch | lr | format | steps | method | cosine | teacher std | outcome per seed "
-             "| unstable | min train loss, median [range] | final val loss, median [range] | wall s (median) |",
-             "|" + "---|" * 14]
+    lines = ["| width | depth | batch | lr | format | steps | method | cosine | teacher std | norms quantised "
+             "| outcome per seed | unstable | min train loss, median [range] | final val loss (BF16 path), median "
+             "[range] | wall s (median) |",
+             "|" + "---|" * 15]
     for key in sorted(groups, key=lambda k: tuple(str(v) for v in k[:6]) + (_method_rank(k[6]),)):
         rs = sorted(groups[key], key=lambda r: r["config"]["seed"])
         fmt_name = "bf16" if key[6] == "bf16" else key[4]
         cells = [str(key[0]), str(key[1]), str(key[2]), f"{key[3]:g}", fmt_name, str(key[5]), key[6],
-                 "yes" if key[7] else "no", f"{key[8]:g}",
+                 "yes" if key[7] else "no", f"{key[8]:g}", "-" if key[6] == "bf16" else ("yes" if key[9] else "no"),
                  " ".join(f"{r['config']['seed']}:{outcome(r)}" for r in rs),
                  f"{sum(unstable(r) for r in rs)}/{len(rs)}",
                  _median_range([r["min_train_loss"] for r in rs]),
@@ -86,9 +95,10 @@ def methods_table(runs: list[dict[str, Any]]) -> str:
     by_method: dict[str, list[dict]] = {}
     for run in runs:
         by_method.setdefault(run["config"]["method"], []).append(run)
-    lines = ["| method | seeds | runs with spikes | diverged | final val loss, median [range] | promotion ratio "
+    lines = ["| method | seeds | runs with spikes | diverged | final val loss, training path, median [range] "
+             "| final val loss, BF16 path, median [range] | min train loss, median | promotion ratio "
              "| hit-maxO rate | GNMR exceed. | Delta exceed. | wall s, median [range] |",
-             "|" + "---|" * 10]
+             "|" + "---|" * 12]
     for method in sorted(by_method, key=_method_rank):
         rs = by_method[method]
         def mean(key: str, rs: list[dict] = rs) -> float | None:
@@ -96,7 +106,9 @@ def methods_table(runs: list[dict[str, Any]]) -> str:
 
         cells = [method, str(len(rs)), f"{sum(bool(r['n_spikes']) for r in rs)}/{len(rs)}",
                  f"{sum(bool(r['diverged']) for r in rs)}/{len(rs)}",
+                 _median_range([val_train_path(r) for r in rs]),
                  _median_range([r["final_val_loss"] for r in rs]),
+                 _fmt(statistics.median(r["min_train_loss"] for r in rs), ".4g"),
                  _fmt(statistics.mean(r["promotion_ratio"] for r in rs), ".3f"),
                  _fmt(mean("hit_max_rate"), ".3f"), _fmt(mean("gnmr_exceedance_rate"), ".3f"),
                  _fmt(mean("delta_exceedance_rate"), ".3f"),
