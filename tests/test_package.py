@@ -194,3 +194,53 @@ def test_set_active_units_checks_indices_and_recovery_paths():
         set_active_units(model, [2], units)
     with pytest.raises(ValueError, match="has no recovery path"):
         set_active_units(model, [1], units)
+
+
+# Which parts of the package each part may import (docs/design.md, "Package layout"): the core stands
+# alone, the backends know nothing of the Trainer, the trainer integration nothing of evaluation or
+# reporting; the CLI and the demo tie everything together.
+LAYERS = {
+    "core": {"core"},
+    "units": set(),
+    "_import_utils": set(),
+    "backends": {"backends", "units", "_import_utils"},
+    "trainer": {"trainer", "core", "backends", "units", "_import_utils"},
+    "reporting": {"reporting", "_import_utils"},
+    "offline": {"offline", "_import_utils"},
+    "evaluation": {"evaluation", "reporting", "offline", "_import_utils"},
+}
+
+
+def _gnmr_imports(path: Path) -> set[str]:
+    """The ``gnmr_hf`` modules a file imports, at the top or inside functions (first part after gnmr_hf)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "gnmr_hf" else [f"gnmr_hf.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n.split(".")[1] for n in names if n.startswith("gnmr_hf.")}
+    return found
+
+
+def test_package_layers_import_only_what_they_may():
+    import gnmr_hf
+
+    root = Path(gnmr_hf.__file__).parent
+    seen = set()
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        part = path.relative_to(root).parts[0].removesuffix(".py")
+        if part not in LAYERS:
+            assert part in ("__init__", "cli", "demo"), f"{path}: a new part of the package needs a row in LAYERS"
+            continue
+        seen.add(part)
+        bad += [f"{path.relative_to(root)} imports gnmr_hf.{m}" for m in _gnmr_imports(path) - LAYERS[part]]
+    assert seen == set(LAYERS)  # every layer was really found and checked
+    assert bad == []
+    # the checker sees both kinds of import: the trainer reaches the core at the top of callback.py
+    assert "core" in _gnmr_imports(root / "trainer" / "callback.py")
