@@ -214,6 +214,7 @@ def test_bench_13b_shape_dry_run(tmp_path):
         assert f"{precision}: median step" in proc.stdout
 
 
+@pytest.mark.slow  # a subprocess that imports torch: seconds
 def test_bench_13b_shape_without_gpu_says_so():
     import torch
 
