@@ -10,10 +10,13 @@ Arms, all the same LoRA fine-tune (r=8, the seven projections, batch of random t
 The arms run round-robin (``--rounds`` rounds of ``--steps`` optimizer steps each) so that load
 changes on a shared machine hit all arms alike; the first step of every round is dropped (warm-up).
 Step time is measured from ``on_step_begin`` to ``on_step_end`` (forward, backward, clip, callbacks,
-optimizer); the callback's own time inside ``on_pre_optimizer_step`` is measured separately, which
-is the precise figure when the machine's noise is larger than the overhead.
+optimizer). The callback's own share is measured inside the step, which is the precise figure when
+the machine's noise is larger than the overhead: the time in its hooks (controller, switching, trace,
+logs), plus what its answer to the Trainer's clip call costs beyond the Trainer's own norm pass (the
+same call timed in the arm without the callback: ``plain`` for ``monitor``, ``int8`` for ``gnmr``).
+Figures: median and minimum over the timed steps, and the share of the arm's median step time.
 
-    python bench/overhead.py --rounds 3 --steps 5 --components
+    OMP_NUM_THREADS=1 python bench/overhead.py --rounds 3 --steps 5 --components
 """
 
 from __future__ import annotations
@@ -53,21 +56,71 @@ class StepTimer:
 
 
 def timed_gnmr_callback(**kw):
-    """A GNMRCallback whose on_pre_optimizer_step time (norms, clip, controller, switching, trace) is recorded."""
+    """A GNMRCallback whose own work is timed per optimizer step: its hooks (controller, switching,
+    trace, logs) in ``hook_times`` and its answer to the Trainer's clip call (the one norm pass, which
+    replaces the Trainer's own) in ``clip_times``."""
     from gnmr_hf.trainer.callback import GNMRCallback
 
     class Timed(GNMRCallback):
-        hook_times: list[float] = []
+        def __init__(self, **k):
+            super().__init__(**k)
+            self.hook_times: list[float] = []
+            self.clip_times: list[float] = []
+            self._acc = 0.0
 
-        def on_pre_optimizer_step(self, *a, **k):
+        def _timed(self, fn, *a, **k):
             t0 = time.perf_counter()
-            out = super().on_pre_optimizer_step(*a, **k)
-            self.hook_times.append(time.perf_counter() - t0)
+            out = fn(*a, **k)
+            self._acc += time.perf_counter() - t0
             return out
 
-    cb = Timed(**kw)
-    cb.hook_times = []
-    return cb
+        def on_step_begin(self, *a, **k):
+            self._acc = 0.0
+            return self._timed(super().on_step_begin, *a, **k)
+
+        def on_substep_end(self, *a, **k):
+            return self._timed(super().on_substep_end, *a, **k)
+
+        def on_pre_optimizer_step(self, *a, **k):
+            return self._timed(super().on_pre_optimizer_step, *a, **k)
+
+        def on_optimizer_step(self, *a, **k):
+            return self._timed(super().on_optimizer_step, *a, **k)
+
+        def on_step_end(self, *a, **k):
+            out = self._timed(super().on_step_end, *a, **k)
+            self.hook_times.append(self._acc)
+            return out
+
+        def on_log(self, *a, **k):
+            t0 = time.perf_counter()
+            out = super().on_log(*a, **k)
+            if self.hook_times:  # the step's logs come after its on_step_end
+                self.hook_times[-1] += time.perf_counter() - t0
+            return out
+
+        def clip_grad_norm_(self, parameters, max_norm):
+            t0 = time.perf_counter()
+            out = super().clip_grad_norm_(parameters, max_norm)
+            self.clip_times.append(time.perf_counter() - t0)
+            return out
+
+    return Timed(**kw)
+
+
+def time_trainer_clip(trainer) -> list[float]:
+    """Time the Trainer's own norm pass (``accelerator.clip_grad_norm_``) in an arm without GNMR."""
+    times: list[float] = []
+    original = trainer.accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(*a, **k):
+        t0 = time.perf_counter()
+        out = original(*a, **k)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    trainer.accelerator.clip_grad_norm_ = clip_grad_norm_
+    return times
 
 
 def build(path: str, int8: bool, seed: int = 0):
@@ -88,13 +141,14 @@ def build(path: str, int8: bool, seed: int = 0):
 def components(model, batch, reps: int = 20) -> dict[str, float]:
     """Median milliseconds of the pieces of the callback's per-step work on real gradients of ``model``."""
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
-    from gnmr_hf.trainer.callback import _UnitParams
+    from gnmr_hf.trainer.grad_norms import UnitGradNorms
     from gnmr_hf.units import resolve_units
 
     model(**batch).loss.backward()
-    units = _UnitParams(resolve_units(model))
+    units = UnitGradNorms(resolve_units(model))
     ctrl = GNMRController(units.num_units, GNMRConfig())
-    norms = units.sq_norms(units.grads()).sqrt().cpu()
+    params = list(model.parameters())
+    norms = units.clip_(params, float("inf"))[1].sqrt().cpu()
 
     def ms(fn) -> float:
         times = []
@@ -105,12 +159,11 @@ def components(model, batch, reps: int = 20) -> dict[str, float]:
         return statistics.median(times) * 1e3
 
     return {
-        "fused per-unit norms (+ host copy)": ms(lambda: units.sq_norms(units.grads()).sqrt().cpu()),
+        # the Trainer's own pass (what a run without the callback does at every step) ...
+        "torch clip_grad_norm_(params, 1e9)": ms(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9)),
+        # ... and the callback's replacement of it, which also yields the per-unit norms
+        "UnitGradNorms.clip_(params, 1e9) + host copy": ms(lambda: units.clip_(params, 1e9)[1].sqrt().cpu()),
         "controller.step + record": ms(lambda: (ctrl.step(norms), ctrl.last_record)),
-        # what the takeover adds: the Trainer still runs this pass (max_norm=inf multiplies by 1.0) ...
-        "Trainer norm pass, clip_grad_norm_(inf)": ms(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))),
-        # ... and the callback's clip is the one the Trainer would have done anyway
-        "the clip itself, clip_grad_norm_(1.0)": ms(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)),
     }
 
 
@@ -154,19 +207,25 @@ def main() -> None:
             learning_rate=2e-4, lr_scheduler_type="constant", report_to="none", use_cpu=True, logging_steps=1,
             save_strategy="no", disable_tqdm=True, seed=0, max_grad_norm=1.0, bf16=False,
         )
-        runs[arm] = {"trainer": Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks),
-                     "timer": timer, "cb": cb, "kept": [], "hook": []}
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
+        clip = time_trainer_clip(trainer) if cb is None else None
+        runs[arm] = {"trainer": trainer, "timer": timer, "cb": cb, "clip_src": clip, "kept": [], "hook": [], "clip": []}
 
     for r in range(a.rounds):
         for arm in arms:
             run = runs[arm]
             run["timer"].per_round.append([])
             if run["cb"] is not None:
-                run["cb"].hook_times = []
+                run["cb"].hook_times, run["cb"].clip_times = [], []
+            else:
+                run["clip_src"].clear()
             run["trainer"].train()
-            run["kept"] += run["timer"].per_round[-1][1:]
+            run["kept"] += run["timer"].per_round[-1][1:]  # the first step of a round is warm-up
             if run["cb"] is not None:
                 run["hook"] += run["cb"].hook_times[1:]
+                run["clip"] += run["cb"].clip_times[1:]
+            else:
+                run["clip"] += run["clip_src"][1:]
             print(f"round {r + 1}/{a.rounds} {arm:8s} median step {statistics.median(run['timer'].per_round[-1][1:]):.3f} s",
                   flush=True)
 
@@ -174,25 +233,30 @@ def main() -> None:
           f"{a.rounds} rounds x {a.steps - 1} timed steps per arm")
     med = {arm: statistics.median(runs[arm]["kept"]) for arm in arms}
     for arm in arms:
-        line = f"  {arm:8s} median step {med[arm]:.4f} s  (min {min(runs[arm]['kept']):.4f}, n={len(runs[arm]['kept'])})"
-        if runs[arm]["hook"]:
-            hook = statistics.median(runs[arm]["hook"])
-            line += f"; callback on_pre_optimizer_step median {hook * 1e3:.2f} ms = {hook / med[arm] * 100:.2f}% of the step"
-        if arm == "gnmr" and runs[arm]["cb"] is not None:
-            s = runs[arm]["cb"].controller.summary()
-            line += f"; promotion ratio {s['promotion_ratio']:.3f}, switches {s['switches']}"
-        print(line)
+        run = runs[arm]
+        print(f"  {arm:8s} step median {med[arm]:.4f} s, min {min(run['kept']):.4f} s (n={len(run['kept'])}); "
+              f"clip call median {statistics.median(run['clip']) * 1e3:.2f} ms")
+    for arm, base in (("monitor", "plain"), ("gnmr", "int8")):
+        if arm not in runs or base not in runs:
+            continue
+        run = runs[arm]
+        hook_med, hook_min = statistics.median(run["hook"]), min(run["hook"])
+        extra_clip = statistics.median(run["clip"]) - statistics.median(runs[base]["clip"])
+        own_med, own_min = hook_med + max(extra_clip, 0.0), hook_min + max(extra_clip, 0.0)
+        print(f"  {arm}: callback hooks median {hook_med * 1e3:.2f} ms (min {hook_min * 1e3:.2f}); clip call "
+              f"{extra_clip * 1e3:+.2f} ms vs the Trainer's own ({base}); own share of the step: median "
+              f"{own_med / med[arm] * 100:.3f}%, min {own_min / med[arm] * 100:.3f}%")
+        if arm == "gnmr":
+            s = run["cb"].controller.summary()
+            print(f"  gnmr: promotion ratio {s['promotion_ratio']:.3f}, switches {s['switches']}")
     if a.components and "monitor" in runs:
         batch = {"input_ids": torch.tensor(ids[: a.batch_size]), "labels": torch.tensor(ids[: a.batch_size])}
         print("  monitor-only per-step pieces (median ms):")
         for name, v in components(runs["monitor"]["trainer"].model, batch).items():
-            print(f"    {name:42s} {v:8.2f} ms = {v / 1e3 / med['monitor'] * 100:.2f}% of the monitor step")
-    if "plain" in med and "monitor" in med:
-        print(f"  monitor / plain = {med['monitor'] / med['plain']:.4f}")
-    if "int8" in med and "gnmr" in med:
-        print(f"  gnmr / int8     = {med['gnmr'] / med['int8']:.4f}")
-    if "plain" in med and "gnmr" in med:
-        print(f"  gnmr / plain    = {med['gnmr'] / med['plain']:.4f}")
+            print(f"    {name:46s} {v:8.2f} ms = {v / 1e3 / med['monitor'] * 100:.3f}% of the monitor step")
+    for arm, base in (("monitor", "plain"), ("gnmr", "int8"), ("gnmr", "plain")):
+        if arm in med and base in med:
+            print(f"  {arm} / {base} step time = {med[arm] / med[base]:.4f}")
 
 
 if __name__ == "__main__":

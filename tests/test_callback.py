@@ -141,6 +141,7 @@ def _switching_run(tiny_llama_dir, tmp_path_factory):
     return {"out": out, "trainer": trainer, "cb": cb, "rec": rec, "trace": read_trace(out)}
 
 
+@pytest.mark.slow
 def test_trace_matches_controller_and_model(switching_run, tiny_llama_dir):
     trace, rec, trainer = switching_run["trace"], switching_run["rec"], switching_run["trainer"]
     assert [r["step"] for r in trace] == list(range(1, 25))
@@ -210,6 +211,7 @@ def test_logs_reach_reporting_callbacks(tiny_llama_dir, tmp_path):
     assert not os.path.exists(tmp_path / "gnmr_trace.jsonl")
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_same_norms(switching_run, tiny_llama_dir, tmp_path):
     trainer = Trainer(
         model=build(tiny_llama_dir), train_dataset=dataset(), callbacks=[GNMRCallback(SWITCHY)],
@@ -246,6 +248,7 @@ class PreClipTrainer(Trainer):
         return super()._clip_grad_norm(model)
 
 
+@pytest.mark.slow
 def test_pre_clip_norms_and_bit_identical_update(tiny_llama_dir, tmp_path):
     max_norm = 0.05
     plain_model = build(tiny_llama_dir, "plain")
@@ -285,6 +288,7 @@ def test_pre_clip_norms_and_bit_identical_update(tiny_llama_dir, tmp_path):
     assert not [n for n in os.listdir(tmp_path / "gnmr" / "checkpoint-4") if n.startswith("gnmr")]
 
 
+@pytest.mark.slow
 def test_monitor_only_bit_identical_with_accumulation(tiny_llama_dir, tmp_path):
     kw = dict(max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.0)
     plain_model, model = build(tiny_llama_dir, "plain"), build(tiny_llama_dir, "plain")
@@ -303,6 +307,7 @@ def test_monitor_only_bit_identical_with_accumulation(tiny_llama_dir, tmp_path):
     assert trace[0]["gnmr"] == [1.0] * NUM_LAYERS and trace[-1]["gnmr"] != [1.0] * NUM_LAYERS
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_same_norms(tiny_llama_dir, tmp_path):
     traces = []
     for bs, ga in ((8, 1), (2, 4)):
@@ -329,6 +334,7 @@ def straight_trace(tiny_llama_dir, tmp_path_factory):
     return read_trace(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("restore_flag", [False, True])
 def test_resume_equals_uninterrupted(straight_trace, tiny_llama_dir, tmp_path, restore_flag):
     kw = dict(save_strategy="steps", save_steps=6, restore_callback_states_from_checkpoint=restore_flag)
@@ -421,6 +427,7 @@ def test_nan_gradient_escalates_unit(tiny_llama_dir, tmp_path):
     assert all(torch.isfinite(p).all() for p in trainable(trainer.model).values())
 
 
+@pytest.mark.slow
 def test_nan_in_backward_clips_like_the_trainer(tiny_llama_dir, tmp_path):
     """A NaN born in the backward: the Trainer's own norm pass spreads it to every gradient before any
     callback runs; with the callback the weights end exactly as in a plain run (NaN where the plain
@@ -514,6 +521,7 @@ class MicroRefTrainer(Trainer):
         return loss
 
 
+@pytest.mark.slow
 def test_policy_with_microbatch_norms(tiny_llama_dir, tmp_path):
     made = []
 
@@ -539,6 +547,7 @@ def test_policy_with_microbatch_norms(tiny_llama_dir, tmp_path):
     assert trainer.state.log_history[-1]["gnmr/summary/steps"] == 3
 
 
+@pytest.mark.slow
 def test_policy_from_triggers_module_resumes(tiny_llama_dir, tmp_path):
     """The project's own baseline policies plug in through functools.partial; a policy is not JSON-safe,
     yet a Trainer that rebuilds the callback from its saved args (restore flag on) resumes it exactly."""
@@ -579,6 +588,7 @@ class NoLayers(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
 
 
+@pytest.mark.slow
 def test_clear_errors(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="max_active"):
         GNMRCallback({"max_active": -1})
@@ -604,6 +614,7 @@ def test_clear_errors(tiny_llama_dir, tmp_path):
             trainer.train()
 
 
+@pytest.mark.slow
 def test_init_fraction_uses_the_shared_rule(tiny_llama_dir, tmp_path):
     from gnmr_hf.core.controller import init_steps_from_fraction
 
@@ -647,6 +658,7 @@ def test_state_lives_in_a_carrier(tiny_llama_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_agree(tiny_llama_dir, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

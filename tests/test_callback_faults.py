@@ -59,6 +59,7 @@ def raise_at_forward(model, call: int, error: Exception):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_step_that_raises_leaves_clipping_intact(tiny_llama_dir, tmp_path):
     """A forward raises in step 3; train() again with the same args and callback clips as a plain Trainer."""
     max_norm = 0.05
@@ -86,6 +87,7 @@ def test_step_that_raises_leaves_clipping_intact(tiny_llama_dir, tmp_path):
     assert [r["step"] for r in read_trace(tmp_path / "gnmr")] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_auto_find_batch_size_retry_clips_like_the_trainer(tiny_llama_dir, tmp_path):
     """An out-of-memory error in the first step: the Trainer's own retry with a smaller batch clips."""
     max_norm = 0.05
@@ -187,6 +189,7 @@ class ScalerTrainer(Trainer):
         return loss
 
 
+@pytest.mark.slow
 def test_overflow_step_is_skipped_by_the_controller(tiny_llama_dir, tmp_path):
     trainer = ScalerTrainer(model=build(tiny_llama_dir), args=targs(tmp_path, max_steps=10, max_grad_norm=1.0),
                             train_dataset=dataset(), callbacks=[GNMRCallback(SWITCHY)])
@@ -269,6 +272,7 @@ class UnscaledMicroRef(ScalerTrainer):
         return loss
 
 
+@pytest.mark.slow
 def test_microbatch_norms_are_unscaled(tiny_llama_dir, tmp_path):
     made = []
 

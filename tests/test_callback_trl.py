@@ -19,6 +19,7 @@ def _one_thread():
         yield
 
 
+@pytest.mark.slow
 def test_sft_trainer_with_callback(tiny_llama_dir, smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 

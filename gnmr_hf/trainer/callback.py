@@ -1,30 +1,21 @@
 """``GNMRCallback``: GNMR inside the Hugging Face ``Trainer``, on one process or many.
 
 The callback gathers per-unit gradient norms, steps the controller (or a user policy) and applies its
-answer through :func:`gnmr_hf.set_active_units`; the statistics live in :mod:`gnmr_hf.core`, the
-low-cost/recovery paths in :mod:`gnmr_hf.backends`. The clipping contract and the trace format are
-in docs/design.md. Where the Trainer's behaviour matters (transformers 5.x ``Trainer._run_epoch``):
-
-- At every optimizer step the Trainer calls ``accelerator.clip_grad_norm_(model.parameters(), m)``
-  once, before ``on_pre_optimizer_step``: ``m = args.max_grad_norm`` when it clips, ``inf`` when it
-  only measures the logged ``grad_norm``. For the duration of a run the callback answers that call
-  itself with :meth:`UnitGradNorms.clip_`: the same unscale, the same total norm and the same foreach
-  multiply as accelerate's, plus the per-unit norms from the same per-tensor norms, so the update is
-  bit-identical to a run without the callback, the norms are pre-clip, and there is no second
-  gradient pass. ``TrainingArguments`` are never modified, so a step that raises cannot leave them
-  changed.
-- The controller steps in ``on_optimizer_step``, once the optimizer has run: a step skipped by the
-  fp16 loss scaler (``accelerator.optimizer_step_was_skipped``) is traced with ``"skipped": true`` and
-  changes neither the statistics, nor the active set, nor the locks.
-- Logs reach ``report_to`` backends through ``on_log``; the callback puts itself first in the
-  Trainer's callback list so that TensorBoard/W&B (added before user callbacks) see ``gnmr/*``.
+answer through :func:`gnmr_hf.set_active_units`; statistics live in :mod:`gnmr_hf.core`, the low-cost
+and recovery paths in :mod:`gnmr_hf.backends`, the Trainer plumbing in :mod:`gnmr_hf.trainer.wiring`.
+The clipping contract, the fp16 skip rule and the trace format are in docs/design.md. In short: the
+Trainer calls ``accelerator.clip_grad_norm_`` once per optimizer step (with ``max_grad_norm``, or
+``inf`` to only measure); during a run the callback answers that call with
+:meth:`~gnmr_hf.trainer.grad_norms.UnitGradNorms.clip_`, which clips bit-identically and yields the
+pre-clip per-unit norms from the same pass. ``TrainingArguments`` are never modified. The controller
+steps in ``on_optimizer_step``, after the optimizer, so that a step the fp16 loss scaler skipped is
+traced as ``"skipped": true`` and never reaches it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -33,10 +24,11 @@ from transformers.trainer_callback import TrainerCallback
 
 from gnmr_hf.backends.base import dual_path_modules, recoverable_units, set_active_units
 from gnmr_hf.core.controller import GNMRConfig, GNMRController, init_steps_from_fraction
-from gnmr_hf.trainer.grad_norms import UnitGradNorms
+from gnmr_hf.trainer import wiring
+from gnmr_hf.trainer.grad_norms import MicroBatchNorms, UnitGradNorms
 from gnmr_hf.trainer.ranks import RankAgreement, world_size
 from gnmr_hf.trainer.state import GNMRState, check_saved, saved_entries, with_state_entry
-from gnmr_hf.trainer.trace import TRACE_NAME, TraceWriter, jsonable
+from gnmr_hf.trainer.trace import TRACE_NAME, LogWindow, TraceWriter, jsonable
 from gnmr_hf.units import Unit, resolve_units
 
 # per-step record keys that are counts (or lists whose length is the count), logged as gnmr/<key>
@@ -94,24 +86,7 @@ class GNMRCallback(TrainerCallback):
         trace: bool | str = True,
         check_ranks: bool = True,
     ) -> None:
-        if policy is not None and config is not None:
-            raise ValueError("GNMRCallback: pass either config (for GNMRController) or policy, not both")
-        if policy is not None and init_fraction is not None:
-            raise ValueError("GNMRCallback: init_fraction applies to GNMRController's config, not to a policy")
-        if isinstance(config, dict):
-            config = GNMRConfig.from_dict(config)
-        elif config is None and policy is None:
-            config = GNMRConfig()
-        elif config is not None and not isinstance(config, GNMRConfig):
-            raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
-        if init_fraction is not None:
-            init_steps_from_fraction(init_fraction, 0)  # validates: ValueError naming init_fraction
-            if config.init_steps:
-                raise ValueError("GNMRCallback: give init_fraction or config.init_steps, not both")
-        if isinstance(units, str):
-            raise TypeError("GNMRCallback: units must be a list of module names or a callable, not a single string")
-        if not isinstance(trace, (bool, str)):
-            raise TypeError(f"GNMRCallback: trace must be a bool or a path, got {type(trace).__name__}")
+        config = _checked_args(config, units, policy, init_fraction, trace)
         self.config, self.units, self.policy = config, units, policy
         self.init_fraction, self.trace, self.check_ranks = init_fraction, trace, bool(check_ranks)
         self.state_carrier = GNMRState()
@@ -128,13 +103,12 @@ class GNMRCallback(TrainerCallback):
         self._dual: list = []  # the model's dual-path modules, for the recovery bytes
         self._accelerator: Any = None
         self._step_sq: torch.Tensor | None = None  # this step's per-unit squared norms, from the clip
-        self._scale_before: float | None = None  # the fp16 loss scale before this step's optimizer step
-        self._micro: list[torch.Tensor] = []  # this window's micro-batch squared norms (unscaled)
-        self._micro_snapshot: list[torch.Tensor | None] | None = None
+        self._scale_before = 1.0  # the fp16 loss scale before this step's optimizer step (1: none)
+        self._micro: MicroBatchNorms | None = None  # for policies that need micro-batch norms
         self._trace: TraceWriter | None = None
         self.trace_path: str | None = None  # the trace this process writes in the current/last run
         self._ranks: RankAgreement | None = None
-        self._window: list[dict[str, float]] = []
+        self._window = LogWindow(_LOGGED_KEYS)
         self._last_step = 0
 
     @property
@@ -145,16 +119,18 @@ class GNMRCallback(TrainerCallback):
     # ------------------------------------------------------------------------------------ set-up
 
     def on_init_end(self, args, state, control, **kwargs):
-        trainer = _find_trainer(self)
+        trainer = wiring.find_trainer(self)
         if trainer is not None:
-            _place(trainer, self)
+            wiring.place(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self._trace is not None:  # a run that raised (or the Trainer's batch-size retry) left it open
+            self._trace.close()
         self._reset_run()
-        trainer = _find_trainer(self)
+        trainer = wiring.find_trainer(self)
         if model is None:
             raise ValueError("GNMRCallback needs the model (the Trainer passes it to callbacks)")
-        _refuse_unsupported(args, trainer, model)
+        wiring.refuse_unsupported(args, trainer, model)
         try:
             self._units = resolve_units(model, self.units)
         except ValueError as e:
@@ -169,8 +145,10 @@ class GNMRCallback(TrainerCallback):
         self._recoverable = recoverable_units(model, self._units)
         self._dual = list(dual_path_modules(model))
         self.controller = self._build_controller(len(self._units), state.max_steps)
-        if getattr(self.controller, "needs_microbatch_norms", False) and world_size() > 1:
-            raise ValueError("GNMRCallback: a policy with needs_microbatch_norms is supported on a single process only")
+        if getattr(self.controller, "needs_microbatch_norms", False):
+            if world_size() > 1:
+                raise ValueError("GNMRCallback: a policy with needs_microbatch_norms is supported on a single process only")
+            self._micro = MicroBatchNorms(self._norms)
 
         self._last_step = state.global_step
         self._active = self._resume(state) if state.global_step > 0 else self._indices(self.controller.initial_mask())
@@ -182,10 +160,10 @@ class GNMRCallback(TrainerCallback):
             self._trace = TraceWriter(path, state.global_step)
             self.trace_path = path
         if trainer is not None:
-            _place(trainer, self)
+            wiring.place(trainer, self)
             with_state_entry(state.stateful_callbacks, self.state_carrier)
             self._accelerator = trainer.accelerator
-            _take_over_clip(trainer.accelerator, self)
+            wiring.take_over_clip(trainer.accelerator, self)
 
     def _build_controller(self, num_units: int, max_steps: int) -> Any:
         if self.policy is None:
@@ -229,25 +207,24 @@ class GNMRCallback(TrainerCallback):
     # ---------------------------------------------------------------------------------- each step
 
     def on_substep_end(self, args, state, control, **kwargs):
-        if self.controller is not None and getattr(self.controller, "needs_microbatch_norms", False):
-            self._observe_microbatch(last=False)
+        if self._micro is not None:
+            self._micro.observe(last=False, scale=wiring.loss_scale(self._accelerator))
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         """The Trainer's clip (through ``accelerator.clip_grad_norm_``), taking the per-unit norms too."""
-        if getattr(self.controller, "needs_microbatch_norms", False):
-            self._observe_microbatch(last=True)  # before the unscale: every snapshot in one scale
+        if self._micro is not None:
+            self._micro.observe(last=True, scale=wiring.loss_scale(self._accelerator))  # before the unscale, like the others
         self._accelerator.unscale_gradients()
         total, self._step_sq = self._norms.clip_(parameters, max_norm)
-        scaler = self._accelerator.scaler
-        self._scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        self._scale_before = wiring.loss_scale(self._accelerator)
         return total
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.controller is None or self._step_sq is not None:
             return
         # the clip was not ours (the callback is driven without a Trainer): norms as the gradients are now
-        if getattr(self.controller, "needs_microbatch_norms", False):
-            self._observe_microbatch(last=True)
+        if self._micro is not None:
+            self._micro.observe(last=True)
         self._step_sq = self._norms.sq_norms(self._norms.grads())
         if self._step_sq is None:
             raise RuntimeError(f"GNMRCallback: no unit parameter has a gradient at step {state.global_step + 1}")
@@ -267,7 +244,7 @@ class GNMRCallback(TrainerCallback):
             RankAgreement.verify(check)
         else:
             norms = norms.cpu()
-        micro, self._micro = self._micro, []
+        micro = self._micro.take() if self._micro is not None else []
         if self._step_was_skipped():
             # the loss scaler found inf/NaN and skipped the update: not a gradient spike, not a statistic
             record = {"skipped": True}
@@ -287,27 +264,11 @@ class GNMRCallback(TrainerCallback):
     def _step_was_skipped(self) -> bool:
         if self._accelerator is None:
             return False
-        if self._scale_before is not None:
+        if self._scale_before != 1.0:
             # the scaler backs off exactly when it found inf/NaN; accelerate's optimizer_step_was_skipped
             # misses it with optimizers that skip by themselves (fused AdamW, the Trainer's default)
-            skipped, self._scale_before = self._accelerator.scaler.get_scale() < self._scale_before, None
-            return skipped
+            return wiring.loss_scale(self._accelerator) < self._scale_before
         return bool(self._accelerator.optimizer_step_was_skipped)
-
-    def _observe_microbatch(self, last: bool) -> None:
-        grads = self._norms.grads()
-        if self._micro_snapshot is None:
-            added = grads
-        else:
-            added = [g if s is None else (-s if g is None else g - s) for g, s in zip(grads, self._micro_snapshot)]
-        sq = self._norms.sq_norms(added)
-        sq = torch.zeros(self._norms.num_units, dtype=torch.float64) if sq is None else sq.cpu()
-        scaler = getattr(self._accelerator, "scaler", None)
-        if scaler is not None and scaler.is_enabled():
-            sq = sq / scaler.get_scale() ** 2  # the window's gradients are still multiplied by the loss scale
-        self._micro.append(sq)
-        # the next window starts from zeroed gradients
-        self._micro_snapshot = None if last else [None if g is None else g.detach().clone() for g in grads]
 
     def _indices(self, mask: Any) -> list[int]:
         mask = torch.as_tensor(mask)
@@ -328,29 +289,20 @@ class GNMRCallback(TrainerCallback):
     def _record(self, step: int, norms: torch.Tensor, record: dict, model) -> None:
         record["active"] = list(self._active)
         rec_bytes = sum(int(m.recovery_device_bytes()) for m in self._dual)
-        scalars = {k: _as_number(record.get(k, False)) for k in _LOGGED_KEYS if k in record or k == "skipped"}
-        scalars = {k: v for k, v in scalars.items() if v is not None}
-        scalars["recovery_bytes"] = float(rec_bytes)
-        self._window.append(scalars)
+        self._window.add(record, rec_bytes)
         if self._trace is not None:
             line = {"step": step}
             if "step" in record and record["step"] != step:
                 line["controller_step"] = record["step"]  # a policy counting its own steps
             record.pop("step", None)
-            line["norms"] = norms.tolist()
-            line.update(record)
-            line["recovery_bytes"] = rec_bytes
-            self._trace.write(line)
+            self._trace.write({**line, "norms": norms.tolist(), **record, "recovery_bytes": rec_bytes})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.controller is None or logs is None:
             return
         added: dict[str, float] = {}
-        if "loss" in logs and self._window:
-            for k in sorted({k for s in self._window for k in s}):
-                vals = [s[k] for s in self._window if k in s]
-                added[f"gnmr/{k}"] = max(vals) if k == "recovery_bytes" else sum(vals) / len(vals)
-            self._window = []
+        if "loss" in logs:
+            added = self._window.drain()
         elif "train_runtime" in logs:
             added = {f"gnmr/summary/{k}": float(v) for k, v in jsonable(dict(self.controller.summary())).items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -367,7 +319,7 @@ class GNMRCallback(TrainerCallback):
         if self.controller is None:
             return
         if self._accelerator is not None:
-            _give_back_clip(self._accelerator)
+            wiring.give_back_clip(self._accelerator)
         if self._ranks is not None:
             self._ranks.flush()
         if self._trace is not None:
@@ -391,86 +343,28 @@ def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any)
     if any(isinstance(cb, GNMRCallback) for cb in trainer.callback_handler.callbacks):
         raise ValueError("attach: this Trainer already has a GNMRCallback")
     callback = GNMRCallback(config, **kwargs)
-    _place(trainer, callback)
+    wiring.place(trainer, callback)
     return callback
 
 
-def _place(trainer: Any, callback: GNMRCallback) -> None:
-    """``callback`` first in the Trainer's list; its state carrier in the list, in place of a copy the
-    Trainer rebuilt from a checkpoint."""
-    callbacks = trainer.callback_handler.callbacks
-    if callbacks[:1] != [callback]:
-        if callback in callbacks:
-            callbacks.remove(callback)
-        callbacks.insert(0, callback)
-    if callback.state_carrier not in callbacks:
-        orphan = next((i for i, cb in enumerate(callbacks) if isinstance(cb, GNMRState) and cb.source is None), None)
-        if orphan is None:
-            callbacks.append(callback.state_carrier)
-        else:
-            callbacks[orphan] = callback.state_carrier
-
-
-def _take_over_clip(accelerator: Any, callback: GNMRCallback) -> None:
-    """Route ``accelerator.clip_grad_norm_`` through ``callback`` for this run (see the module docstring)."""
-    _give_back_clip(accelerator)  # a run that raised leaves its routing behind
-    original = accelerator.clip_grad_norm_
-
-    def clip_grad_norm_(parameters, max_norm, norm_type=2):
-        if norm_type != 2 or callback._accelerator is not accelerator or callback._norms is None:
-            return original(parameters, max_norm, norm_type=norm_type)
-        return callback.clip_grad_norm_(parameters, max_norm)
-
-    clip_grad_norm_.gnmr_original = original
-    accelerator.clip_grad_norm_ = clip_grad_norm_
-
-
-def _give_back_clip(accelerator: Any) -> None:
-    original = getattr(accelerator.clip_grad_norm_, "gnmr_original", None)
-    if original is not None:
-        accelerator.clip_grad_norm_ = original
-
-
-def _refuse_unsupported(args, trainer, model) -> None:
-    if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("GNMRCallback does not support DeepSpeed (it needs the full per-unit gradients on every rank)")
-    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("GNMRCallback does not support FSDP (gradients are sharded); use DDP")
-    kind = str(getattr(getattr(trainer, "accelerator", None), "distributed_type", ""))
-    if "DEEPSPEED" in kind or "FSDP" in kind or "XLA" in kind:
-        raise ValueError(f"GNMRCallback does not support the {kind} accelerate setup; use DDP")
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
-        if sharded:
-            raise ValueError(
-                f"GNMRCallback does not support DTensor (tensor-parallel) parameters ({sharded[0]}, ...): per-unit "
-                "norms of local shards would be wrong; use DDP (tp_size=1)"
-            )
-
-
-def _find_trainer(callback: GNMRCallback) -> Any:
-    """The ``Trainer`` whose callback handler is calling ``callback`` (callbacks are not handed the Trainer).
-
-    Walks up the call stack to the first frame whose ``self`` is a ``transformers.Trainer`` (or a
-    subclass such as trl's ``SFTTrainer``) holding ``callback``; ``None`` when driven by hand.
-    """
-    from transformers import Trainer
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, Trainer) and callback in obj.callback_handler.callbacks:
-            return obj
-        frame = frame.f_back
-    return None
-
-
-def _as_number(v: Any) -> float | None:
-    """A logged scalar for a record entry: lists count their members, bools become 0/1."""
-    if isinstance(v, torch.Tensor):
-        v = v.tolist()
-    if isinstance(v, (list, tuple, set)):
-        return float(len(v))
-    return float(v) if isinstance(v, (int, float)) else None
+def _checked_args(config: Any, units: Any, policy: Any, init_fraction: Any, trace: Any) -> GNMRConfig | None:
+    """The callback's config (``None`` with a policy); ``ValueError``/``TypeError`` naming a bad argument."""
+    if policy is not None and config is not None:
+        raise ValueError("GNMRCallback: pass either config (for GNMRController) or policy, not both")
+    if policy is not None and init_fraction is not None:
+        raise ValueError("GNMRCallback: init_fraction applies to GNMRController's config, not to a policy")
+    if isinstance(config, dict):
+        config = GNMRConfig.from_dict(config)
+    elif config is None and policy is None:
+        config = GNMRConfig()
+    elif config is not None and not isinstance(config, GNMRConfig):
+        raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
+    if init_fraction is not None:
+        init_steps_from_fraction(init_fraction, 0)  # validates: ValueError naming init_fraction
+        if config.init_steps:
+            raise ValueError("GNMRCallback: give init_fraction or config.init_steps, not both")
+    if isinstance(units, str):
+        raise TypeError("GNMRCallback: units must be a list of module names or a callable, not a single string")
+    if not isinstance(trace, (bool, str)):
+        raise TypeError(f"GNMRCallback: trace must be a bool or a path, got {type(trace).__name__}")
+    return config

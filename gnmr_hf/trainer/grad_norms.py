@@ -142,3 +142,41 @@ def _per_tensor_norms(tensors: list[torch.Tensor], fp32_half: bool) -> list[tupl
         else:
             out.append((pos, torch._foreach_norm(group, 2.0)))
     return out
+
+
+class MicroBatchNorms:
+    """Per-unit squared norms of what each micro-batch of a gradient-accumulation window added.
+
+    Call :meth:`observe` after each micro-batch's backward (the last one with ``last=True``); the
+    difference to the previous snapshot is that micro-batch's contribution.
+
+    Args:
+        norms: the units' parameters.
+    """
+
+    def __init__(self, norms: UnitGradNorms) -> None:
+        self.norms = norms
+        self.window: list[torch.Tensor] = []
+        self._snapshot: list[torch.Tensor | None] | None = None
+
+    def observe(self, last: bool, scale: float = 1.0) -> None:
+        """Add the last micro-batch's per-unit squared norms ``[U]`` (float64, CPU) to :attr:`window`.
+
+        Args:
+            last: the window's last micro-batch (the next one starts from zeroed gradients).
+            scale: the loss scale the gradients are still multiplied by (fp16); the norms are divided by it.
+        """
+        grads = self.norms.grads()
+        if self._snapshot is None:
+            added = grads
+        else:
+            added = [g if s is None else (-s if g is None else g - s) for g, s in zip(grads, self._snapshot)]
+        sq = self.norms.sq_norms(added)
+        sq = torch.zeros(self.norms.num_units, dtype=torch.float64) if sq is None else sq.cpu()
+        self.window.append(sq / scale**2 if scale != 1.0 else sq)
+        self._snapshot = None if last else [None if g is None else g.detach().clone() for g in grads]
+
+    def take(self) -> list[torch.Tensor]:
+        """The window's norms, in micro-batch order; the window is emptied."""
+        window, self.window = self.window, []
+        return window

@@ -72,3 +72,43 @@ class TraceWriter:
         if summary is not None:
             with open(os.path.join(os.path.dirname(self.path), SUMMARY_NAME), "w", encoding="utf-8") as f:
                 json.dump(jsonable(summary), f, indent=2)
+
+
+class LogWindow:
+    """The per-step counts logged as ``gnmr/<key>``: means over the steps since the last log, the
+    maximum for ``recovery_bytes``.
+
+    Args:
+        keys: record keys that are counts, lists (their length) or bools (0/1).
+    """
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self._rows: list[dict[str, float]] = []
+
+    def add(self, record: dict[str, Any], recovery_bytes: int) -> None:
+        """Add one step's record (a missing ``skipped`` counts as 0)."""
+        row = {}
+        for k in self.keys:
+            v = _as_number(record.get(k, False if k == "skipped" else None))
+            if v is not None:
+                row[k] = v
+        row["recovery_bytes"] = float(recovery_bytes)
+        self._rows.append(row)
+
+    def drain(self) -> dict[str, float]:
+        """``{"gnmr/<key>": value}`` over the steps added since the last drain (empty if none)."""
+        out = {}
+        for k in sorted({k for row in self._rows for k in row}):
+            vals = [row[k] for row in self._rows if k in row]
+            out[f"gnmr/{k}"] = max(vals) if k == "recovery_bytes" else sum(vals) / len(vals)
+        self._rows = []
+        return out
+
+
+def _as_number(v: Any) -> float | None:
+    if isinstance(v, torch.Tensor):
+        v = v.tolist()
+    if isinstance(v, (list, tuple, set)):
+        return float(len(v))
+    return float(v) if isinstance(v, (int, float)) else None
