@@ -16,6 +16,7 @@ _LAZY = {
     "GNMRConfig": "gnmr_hf.core.controller",
     "GNMRController": "gnmr_hf.core.controller",
     "GNMRCallback": "gnmr_hf.trainer.callback",
+    "attach": "gnmr_hf.trainer.callback",
     "prepare_dual_path": "gnmr_hf.backends.dispatch",
     "set_active_units": "gnmr_hf.backends.base",
     "active_units": "gnmr_hf.backends.base",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.backends.dispatch import prepare_dual_path
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
-    from gnmr_hf.trainer.callback import GNMRCallback
+    from gnmr_hf.trainer.callback import GNMRCallback, attach
     from gnmr_hf.units import find_decoder_layers
 
 
