@@ -1,6 +1,6 @@
 """Tables and heat maps from MX proxy runs (the JSONs of recipes/stress/mx_proxy.py).
 
-    python recipes/stress/mx_report.py bench/results/mx_sweep                  # the sweep table
+    python recipes/stress/mx_report.py bench/results/mx_sweep bench/results/mx_methods --only bf16,fixed
     python recipes/stress/mx_report.py bench/results/mx_methods --methods      # GNMR vs the baselines
     python recipes/stress/mx_report.py bench/results/mx_oracle --oracle --heatmap docs/mx_gap_heatmap.png
 
@@ -69,9 +69,9 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
         cfg = run["config"]
         groups.setdefault(tuple(cfg[k] for k in SWEEP_KEYS), []).append(run)
     lines = ["| width | depth | batch | lr | format | steps | method | cosine | teacher std | norms quantised "
-             "| outcome per seed | unstable | min train loss, median [range] | final val loss (BF16 path), median "
-             "[range] | wall s (median) |",
-             "|" + "---|" * 15]
+             "| outcome per seed | unstable | min train loss, median [range] | final val loss, training path, "
+             "median [range] | final val loss, BF16 path, median [range] | wall s (median) |",
+             "|" + "---|" * 16]
     for key in sorted(groups, key=lambda k: tuple(str(v) for v in k[:6]) + (_method_rank(k[6]),)):
         rs = sorted(groups[key], key=lambda r: r["config"]["seed"])
         fmt_name = "bf16" if key[6] == "bf16" else key[4]
@@ -80,6 +80,7 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
                  " ".join(f"{r['config']['seed']}:{outcome(r)}" for r in rs),
                  f"{sum(unstable(r) for r in rs)}/{len(rs)}",
                  _median_range([r["min_train_loss"] for r in rs]),
+                 _median_range([val_train_path(r) for r in rs]),
                  _median_range([r["final_val_loss"] for r in rs]),
                  f"{statistics.median(r['wall_time_s'] for r in rs):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -171,14 +172,18 @@ def heatmap(run: dict[str, Any], path: str | Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folder")
+    p.add_argument("folders", nargs="+", help="folders of run JSONs, pooled")
+    p.add_argument("--only", help="comma-separated methods to keep (e.g. bf16,fixed)")
     p.add_argument("--methods", action="store_true", help="the GNMR-vs-baselines table instead of the sweep table")
     p.add_argument("--oracle", action="store_true", help="the oracle-agreement table")
     p.add_argument("--heatmap", help="save the gap/GNMR heat map of the first GNMR oracle run here")
     args = p.parse_args(argv)
-    runs = load_runs(args.folder)
+    runs = [r for folder in args.folders for r in load_runs(folder)]
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = [r for r in runs if r["config"]["method"] in keep]
     if not runs:
-        raise SystemExit(f"no run JSONs in {args.folder}")
+        raise SystemExit(f"no run JSONs in {args.folders}")
     if args.oracle:
         print(oracle_table(runs))
     elif args.methods:
