@@ -103,7 +103,7 @@ class GNMRCallback(TrainerCallback):
         self._dual: list = []  # the model's dual-path modules, for the recovery bytes
         self._accelerator: Any = None
         self._step_sq: torch.Tensor | None = None  # this step's per-unit squared norms, from the clip
-        self._scale_before = 1.0  # the fp16 loss scale before this step's optimizer step (1: none)
+        self._scale_before: float | None = None  # the fp16 loss scale before this step's optimizer step
         self._micro: MicroBatchNorms | None = None  # for policies that need micro-batch norms
         self._trace: TraceWriter | None = None
         self.trace_path: str | None = None  # the trace this process writes in the current/last run
@@ -213,10 +213,11 @@ class GNMRCallback(TrainerCallback):
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         """The Trainer's clip (through ``accelerator.clip_grad_norm_``), taking the per-unit norms too."""
         if self._micro is not None:
-            self._micro.observe(last=True, scale=wiring.loss_scale(self._accelerator))  # before the unscale, like the others
+            self._micro.observe(last=True, scale=wiring.loss_scale(self._accelerator))  # still scaled, as the others
         self._accelerator.unscale_gradients()
         total, self._step_sq = self._norms.clip_(parameters, max_norm)
-        self._scale_before = wiring.loss_scale(self._accelerator)
+        scaler = self._accelerator.scaler
+        self._scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
         return total
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -264,10 +265,10 @@ class GNMRCallback(TrainerCallback):
     def _step_was_skipped(self) -> bool:
         if self._accelerator is None:
             return False
-        if self._scale_before != 1.0:
+        if self._scale_before is not None:
             # the scaler backs off exactly when it found inf/NaN; accelerate's optimizer_step_was_skipped
             # misses it with optimizers that skip by themselves (fused AdamW, the Trainer's default)
-            return wiring.loss_scale(self._accelerator) < self._scale_before
+            return self._accelerator.scaler.get_scale() < self._scale_before
         return bool(self._accelerator.optimizer_step_was_skipped)
 
     def _indices(self, mask: Any) -> list[int]:
