@@ -247,3 +247,13 @@ def test_mx_report_oracle_table_and_heatmap(tmp_path):
     png = tmp_path / "heat.png"
     mx_report.heatmap(runs[0], png)
     assert png.stat().st_size > 1000
+
+
+def test_mx_proxy_oracle_scores_only_steps_within_the_budget():
+    torch.set_num_threads(1)
+    # adapt runs its 2-step warm-up with all 4 blocks in BF16: those steps are not scored against a
+    # budget of 1; the gaps are still recorded for the heat map
+    r = mx_proxy.run(tiny(method="adapt", steps=5, adapt_warmup_steps=2, oracle=True))
+    assert r["per_unit"]["active"][:2] == [[0, 1, 2, 3]] * 2 and len(r["per_unit"]["active"][2]) == 1
+    assert r["oracle"]["over_budget_steps"] == 2 and r["oracle"]["steps"] == 3.0
+    assert len(r["per_unit"]["gap"]) == 5

@@ -454,6 +454,7 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
         from gnmr_hf.core.oracle import OracleAccumulator
 
         acc = OracleAccumulator(cfg.depth, max(1, cfg.max_active))
+    over_budget = 0  # oracle steps not scored because the set run exceeded max_active
     step_times = []
     active_unit_steps = 0  # the BF16 blocks actually run, summed over steps (adapt's warm-up included)
     t0 = time.perf_counter()
@@ -465,7 +466,10 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
         if acc is not None:
             gaps = oracle_gaps(student, x, y, params, active)
             per_unit["gap"].append(gaps.tolist())
-            acc.add(t, gaps, {cfg.method: active})  # the set in effect at step t, chosen from step t-1
+            if len(active) <= cfg.max_active:  # the set in effect at step t, chosen from step t-1
+                acc.add(t, gaps, {cfg.method: active})
+            else:  # a BF16 warm-up (adapt, full_recovery_steps) holds more than the budget: not comparable
+                over_budget += 1
         opt.zero_grad(set_to_none=True)
         active_unit_steps += len(active)
         loss = _backward(student, x, y, cfg.microbatches, params, policy)
@@ -525,7 +529,7 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
         result["per_unit"] = {k: v for k, v in per_unit.items() if v}
     if acc is not None:
         table = acc.table().get(cfg.method, {})
-        result["oracle"] = {"skipped_steps": len(acc.skipped),
+        result["oracle"] = {"skipped_steps": len(acc.skipped), "over_budget_steps": over_budget,
                             **{k: (v if math.isfinite(v) else None) for k, v in table.items()}}
     return result
 

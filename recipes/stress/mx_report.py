@@ -158,7 +158,7 @@ def heatmap(run: dict[str, Any], path: str | Path) -> None:
     for ax, (title, data) in zip(axes[:, 0], panels):
         im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis")
         ys, xs = np.nonzero(active)
-        ax.scatter(xs, ys, s=1, c="red", marker="s", linewidths=0)
+        ax.scatter(xs, ys, s=14, c="red", marker="s", linewidths=0)
         ax.set_ylabel("block")
         ax.set_title(f"{title}; red: on the BF16 path")
         fig.colorbar(im, ax=ax)
