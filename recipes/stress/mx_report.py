@@ -66,7 +66,9 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
     """One row per configuration (seeds pooled): outcome per seed, unstable seeds, best/final losses."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        cfg = run["config"]
+        cfg = dict(run["config"])
+        if cfg["method"] == "bf16":  # the MX settings do not touch an all-BF16 run
+            cfg["fmt"], cfg["quantize_norms"] = "bf16", False
         groups.setdefault(tuple(cfg[k] for k in SWEEP_KEYS), []).append(run)
     lines = ["| width | depth | batch | lr | format | steps | method | cosine | teacher std | norms quantised "
              "| outcome per seed | unstable | min train loss, median [range] | final val loss, training path, "
@@ -74,8 +76,7 @@ def sweep_table(runs: list[dict[str, Any]]) -> str:
              "|" + "---|" * 16]
     for key in sorted(groups, key=lambda k: tuple(str(v) for v in k[:6]) + (_method_rank(k[6]),)):
         rs = sorted(groups[key], key=lambda r: r["config"]["seed"])
-        fmt_name = "bf16" if key[6] == "bf16" else key[4]
-        cells = [str(key[0]), str(key[1]), str(key[2]), f"{key[3]:g}", fmt_name, str(key[5]), key[6],
+        cells = [str(key[0]), str(key[1]), str(key[2]), f"{key[3]:g}", key[4], str(key[5]), key[6],
                  "yes" if key[7] else "no", f"{key[8]:g}", "-" if key[6] == "bf16" else ("yes" if key[9] else "no"),
                  " ".join(f"{r['config']['seed']}:{outcome(r)}" for r in rs),
                  f"{sum(unstable(r) for r in rs)}/{len(rs)}",
@@ -135,6 +136,27 @@ def oracle_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def insitu_table(runs: list[dict[str, Any]]) -> str:
+    """Runs resumed from another run's checkpoint with a changed precision, beside that run: the losses
+    after the switch step only."""
+    resumed = [r for r in runs if r.get("resumed_from")]
+    if not resumed:
+        return "no resumed runs"
+    at = resumed[0]["resumed_from"]["step"]
+    lines = [f"| run | from step | min train loss, steps {at + 1}-end (every 10th) | spikes | final val loss, training path "
+             "| final val loss, BF16 path | BF16 share after the switch |", "|" + "---|" * 7]
+    for r in sorted(runs, key=lambda r: (r.get("resumed_from") is not None, _method_rank(r["config"]["method"]))):
+        start = r["resumed_from"]["step"] if r.get("resumed_from") else at
+        after = [v for s, v in r["losses"] if s > start] if r.get("resumed_from") else [v for s, v in r["losses"] if s > at]
+        origin = (f"{r['resumed_from']['method']} ({r['resumed_from']['fmt']}) -> {r['config']['method']}"
+                  if r.get("resumed_from") else f"{r['config']['method']} ({r['config']['fmt']}), no switch")
+        cells = [origin, str(start) if r.get("resumed_from") else "-", _fmt(min(after) if after else None, ".4g"),
+                 str(r["n_spikes"]), _fmt(val_train_path(r), ".4g"), _fmt(r["final_val_loss"], ".4g"),
+                 _fmt(r["promotion_ratio"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def heatmap(run: dict[str, Any], path: str | Path) -> None:
     """Per-step recovery gap beside the per-step GNMR of one oracle run (units x steps), with the
     recovery set marked on both."""
@@ -176,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", help="comma-separated methods to keep (e.g. bf16,fixed)")
     p.add_argument("--methods", action="store_true", help="the GNMR-vs-baselines table instead of the sweep table")
     p.add_argument("--oracle", action="store_true", help="the oracle-agreement table")
+    p.add_argument("--insitu", action="store_true", help="the in-situ switch table (resumed runs)")
     p.add_argument("--heatmap", help="save the gap/GNMR heat map of the first GNMR oracle run here")
     args = p.parse_args(argv)
     runs = [r for folder in args.folders for r in load_runs(folder)]
@@ -184,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = [r for r in runs if r["config"]["method"] in keep]
     if not runs:
         raise SystemExit(f"no run JSONs in {args.folders}")
-    if args.oracle:
+    if args.insitu:
+        print(insitu_table(runs))
+    elif args.oracle:
         print(oracle_table(runs))
     elif args.methods:
         print(methods_table(runs))
