@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=512, help="max_seq_len of the recipe (default 512)")
     p.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {ALL_PRECISIONS}")
-    p.add_argument("--storage", default="host", choices=("host", "device", "disk"), help="gnmr_storage")
+    p.add_argument("--storage", default="host", choices=("host", "device", "disk"), help="gnmr.storage of the recipe (default host)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shape (2 layers, hidden 64) on the CPU, 2 steps: checks the machinery, no GPU")
     p.add_argument("--workdir", default=None, help="where the checkpoint and runs go (default: a temp folder)")
