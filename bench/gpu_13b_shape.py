@@ -8,7 +8,7 @@ as a BF16 safetensors checkpoint in a temporary folder and loaded from there (in
 with a small byte-level BPE tokenizer trained on the project's generated problems. ``gnmr`` keeps the
 paper's budget ratio: max_active = round(10/40 * layers).
 
-    python bench/gpu_13b_shape.py                 # on one GPU, about 5 minutes
+    python bench/gpu_13b_shape.py                 # on one GPU (bench/gpu_check.sh runs it with --layers 4 --steps 6)
     python bench/gpu_13b_shape.py --dry-run       # tiny shape on the CPU: checks the machinery only
 
 Prints one line per precision (median step time after the warm-up steps, peak
