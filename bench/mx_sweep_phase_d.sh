@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Phase D of the MX proxy sweep (docs/mx.md): wider and longer (width 128, 600 steps), fixed MXFP4
+# Phase D of the MX proxy sweep (docs/mx.md): wider (width 128, 600 steps), fixed MXFP4
 # against BF16, seeds in order so that a stopped sweep still holds whole seeds.
 #   nohup bash bench/mx_sweep_phase_d.sh > bench/results/mx_sweep/phase_d.log 2>&1 &
 set -euo pipefail

@@ -257,3 +257,11 @@ def test_mx_proxy_oracle_scores_only_steps_within_the_budget():
     assert r["per_unit"]["active"][:2] == [[0, 1, 2, 3]] * 2 and len(r["per_unit"]["active"][2]) == 1
     assert r["oracle"]["over_budget_steps"] == 2 and r["oracle"]["steps"] == 3.0
     assert len(r["per_unit"]["gap"]) == 5
+
+
+def test_mx_report_per_seed_table_pairs_by_seed():
+    runs = [{"config": {"method": m, "seed": s}, "min_train_loss": v}
+            for m, s, v in [("gnmr", 1, 0.5), ("bf16", 0, 0.25), ("bf16", 1, 0.125)]]
+    table = mx_report.per_seed_table(runs).splitlines()
+    assert table[0] == "| method | seed 0 | seed 1 |"
+    assert table[2:] == ["| bf16 | 0.25 | 0.125 |", "| gnmr | - | 0.5 |"]

@@ -119,6 +119,18 @@ def methods_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def per_seed_table(runs: list[dict[str, Any]], key: str = "min_train_loss") -> str:
+    """One row per method, one column per seed: the value of ``key`` (paired comparisons by seed)."""
+    seeds = sorted({r["config"]["seed"] for r in runs})
+    by = {(r["config"]["method"], r["config"]["seed"]): r for r in runs}
+    methods = sorted({r["config"]["method"] for r in runs}, key=_method_rank)
+    lines = [f"| method | {' | '.join(f'seed {s}' for s in seeds)} |", "|" + "---|" * (len(seeds) + 1)]
+    for m in methods:
+        cells = [_fmt(by[(m, s)][key], ".4g") if (m, s) in by else "-" for s in seeds]
+        lines.append(f"| {m} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def oracle_table(runs: list[dict[str, Any]]) -> str:
     """Per trigger, how close its recovery set comes to the oracle's (runs with ``--oracle``)."""
     lines = ["| method | seed | steps scored | precision@maxO | recall | captured-gap fraction "
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", action="store_true", help="the GNMR-vs-baselines table instead of the sweep table")
     p.add_argument("--oracle", action="store_true", help="the oracle-agreement table")
     p.add_argument("--insitu", action="store_true", help="the in-situ switch table (resumed runs)")
+    p.add_argument("--per-seed", metavar="KEY", help="a method x seed table of one result field (min_train_loss, ...)")
     p.add_argument("--heatmap", help="save the gap/GNMR heat map of the first GNMR oracle run here")
     args = p.parse_args(argv)
     runs = [r for folder in args.folders for r in load_runs(folder)]
@@ -207,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         runs = [r for r in runs if r["config"]["method"] in keep]
     if not runs:
         raise SystemExit(f"no run JSONs in {args.folders}")
-    if args.insitu:
+    if args.per_seed:
+        print(per_seed_table(runs, args.per_seed))
+    elif args.insitu:
         print(insitu_table(runs))
     elif args.oracle:
         print(oracle_table(runs))
