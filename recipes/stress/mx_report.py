@@ -133,16 +133,16 @@ def per_seed_table(runs: list[dict[str, Any]], key: str = "min_train_loss") -> s
 
 def oracle_table(runs: list[dict[str, Any]]) -> str:
     """Per trigger, how close its recovery set comes to the oracle's (runs with ``--oracle``)."""
-    lines = ["| method | seed | steps scored | precision@maxO | recall | captured-gap fraction "
-             "| oracle's captured fraction | mean gap |",
-             "|" + "---|" * 8]
+    lines = ["| method | seed | steps scored | precision@maxO | precision of the chosen | recall "
+             "| captured-gap fraction | oracle's captured fraction | mean BF16 blocks | mean gap |",
+             "|" + "---|" * 10]
     for run in sorted((r for r in runs if "oracle" in r), key=lambda r: (_method_rank(r["config"]["method"]),
                                                                           r["config"]["seed"])):
         o = run["oracle"]
         gaps = [g for row in run["per_unit"]["gap"] for g in row if math.isfinite(g)]
         cells = [run["config"]["method"], str(run["config"]["seed"]), _fmt(o.get("steps"), ".0f"),
-                 _fmt(o.get("precision_at_k"), ".3f"), _fmt(o.get("recall"), ".3f"), _fmt(o.get("captured"), ".3f"),
-                 _fmt(o.get("oracle_captured"), ".3f"),
+                 _fmt(o.get("precision_at_k"), ".3f"), _fmt(o.get("precision"), ".3f"), _fmt(o.get("recall"), ".3f"),
+                 _fmt(o.get("captured"), ".3f"), _fmt(o.get("oracle_captured"), ".3f"), _fmt(o.get("n_chosen"), ".2f"),
                  _fmt(statistics.mean(gaps) if gaps else None, ".3g")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
