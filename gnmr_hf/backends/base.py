@@ -62,17 +62,22 @@ def check_adapters(module: nn.Module, prefix: str = "") -> list[DualPathModule]:
         ValueError: a LoRA layer with a DoRA magnitude vector wraps a dual-path module.
     """
     found = []
-    for m in module.modules():  # modules(), not named_modules(): this runs at every step
-        if isinstance(m, DualPathModule):
+    for m in module.modules():  # this runs at every step: per-type facts are looked up, not recomputed
+        kind = _KINDS.get(type(m))
+        if kind is None:
+            # PEFT's tuner layers have get_base_layer (duck-typed, so this module needs no peft import)
+            kind = _KINDS[type(m)] = 1 if issubclass(type(m), DualPathModule) else 2 if hasattr(m, "get_base_layer") else 0
+        if kind == 1:
             found.append(m)
-        # PEFT's LoraLayer: `lora_magnitude_vector` holds one entry per DoRA adapter (duck-typed, so
-        # this module needs no peft import)
-        elif getattr(m, "lora_magnitude_vector", None) and isinstance(
-            getattr(m, "get_base_layer", lambda: None)(), DualPathModule
-        ):
+        # a LoRA layer's submodule `lora_magnitude_vector` holds one entry per DoRA adapter
+        elif kind == 2 and m._modules.get("lora_magnitude_vector") and isinstance(m.get_base_layer(), DualPathModule):
             name = next(n for n, sub in module.named_modules() if sub is m)
             raise ValueError(DORA_REFUSED.format(name=".".join(p for p in (prefix, name) if p) or type(m).__name__))
     return found
+
+
+# type -> 1 (a dual-path module), 2 (a PEFT tuner layer, which may hold DoRA), 0 (anything else)
+_KINDS: dict[type, int] = {}
 
 
 def dual_path_modules(module: nn.Module) -> Iterator[DualPathModule]:
