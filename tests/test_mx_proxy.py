@@ -237,6 +237,7 @@ def test_mx_report_outcome_codes():
     assert mx_report.outcome({"diverged": False, "n_spikes": 0}) == "."
 
 
+@pytest.mark.slow
 def test_mx_report_oracle_table_and_heatmap(tmp_path):
     torch.set_num_threads(1)
     r = mx_proxy.run(tiny(method="random", steps=3, oracle=True))
