@@ -155,7 +155,8 @@ def insitu_table(runs: list[dict[str, Any]]) -> str:
     if not resumed:
         return "no resumed runs"
     at = resumed[0]["resumed_from"]["step"]
-    lines = [f"| run | from step | min train loss, steps {at + 1}-end (every 10th) | spikes | final val loss, training path "
+    lines = [f"| run | from step | min train loss after the switch (every 10th step; step {at} without one) | spikes "
+             "| final val loss, training path "
              "| final val loss, BF16 path | BF16 share after the switch |", "|" + "---|" * 7]
     for r in sorted(runs, key=lambda r: (r.get("resumed_from") is not None, _method_rank(r["config"]["method"]))):
         start = r["resumed_from"]["step"] if r.get("resumed_from") else at
