@@ -71,6 +71,9 @@ def _policy(method: str, num_units: int, config, seed: int, out: Path, profile_s
     from gnmr_hf.core.controller import GNMRConfig
     from gnmr_hf.core.policies import edge_units, make_policy, most_active_units
 
+    if method not in BASE_METHODS + DERIVED and not (
+            method.partition("-")[0] in ("gap", "rand") and method.partition("-")[2].isdigit()):
+        raise SystemExit(f"unknown method {method!r}")
     if method == "gnmr":
         return None, {}
     if method == "nf4":
