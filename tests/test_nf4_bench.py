@@ -148,7 +148,7 @@ def test_report_gap_closed_per_seed(tmp_path):
     assert nb.gap_closed(runs, "bf16", "bf16") == pytest.approx([1.0, 1.0])
     text = nb.report(type("A", (), {"out": str(tmp_path), "plot": str(tmp_path / "p.png")})())
     row = next(line for line in text.splitlines() if line.startswith("| gnmr |"))
-    assert "0.50 [0.25, 0.75]" in row and "5.00 [4.50, 5.50]" in row and "| 6 |" in row
+    assert "| 0.50 [0.25, 0.75] |" in row and "5.00 [4.50, 5.50]" in row and "| 6 |" in row
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
