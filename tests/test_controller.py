@@ -426,6 +426,49 @@ def test_state_dict_round_trip_mid_sequence_through_json():
     assert run(c, rows[3:])[0] == ma
 
 
+# States written by the controller before its step was reworked for speed (same rows as below, as
+# JSON): they must still load, and the current controller must write them byte for byte.
+SAVED_STATES = {
+    1: '{"version": 1, "num_units": 4, "config": {"max_active": 2, "lock_steps": 1, "alpha": 1.1, '
+       '"alpha_init": 1.5, "beta": 1.5, "beta_init": null, "window": 3, "init_steps": 2, "full_recovery_steps": 2}, '
+       '"recoverable": [true, true, false, true], "t": 6, "active": [false, true, false, true], '
+       '"locks": [0, 0, 0, 1], "norm_sum": [8.600000023841858, 17.5, 5.0, 7.200000047683716], '
+       '"norm_count": [6, 5, 6, 5], "gnmr_window": [[2.571428571428571, 0.6153846153846154, 0.7333333492279053], '
+       '[4.5, 0.46153846153846156, 0.6666666666666666], [0.0, 32.0, 0.5555555555555556], '
+       '[1.2000000476837158, 0.9374999860301616, 2.8571428247049555]], "gnmr_count": [6, 5, 5, 5], '
+       '"totals": {"gnmr_exceed": 7, "delta_exceed": 6, "nonfinite": 2, "active_unit_steps": 14, '
+       '"promotions": 3, "demotions": 4, "hit_max_steps": 5}}',
+    2: '{"version": 1, "num_units": 4, "config": {"max_active": 2, "lock_steps": 2, "alpha": 1.1, '
+       '"alpha_init": 1.5, "beta": 1.5, "beta_init": null, "window": 3, "init_steps": 2, "full_recovery_steps": 2}, '
+       '"recoverable": [true, true, false, true], "t": 6, "active": [true, false, false, true], '
+       '"locks": [0, 1, 0, 2], "norm_sum": [8.600000023841858, 17.5, 5.0, 7.200000047683716], '
+       '"norm_count": [6, 5, 6, 5], "gnmr_window": [[2.571428571428571, 0.6153846153846154, 0.7333333492279053], '
+       '[4.5, 0.46153846153846156, 0.6666666666666666], [0.0, 32.0, 0.5555555555555556], '
+       '[1.2000000476837158, 0.9374999860301616, 2.8571428247049555]], "gnmr_count": [6, 5, 5, 5], '
+       '"totals": {"gnmr_exceed": 7, "delta_exceed": 6, "nonfinite": 2, "active_unit_steps": 14, '
+       '"promotions": 4, "demotions": 5, "hit_max_steps": 5}}',
+}
+
+
+@pytest.mark.parametrize("lock_steps", [1, 2])
+def test_states_saved_by_earlier_versions_load_and_are_reproduced(lock_steps):
+    # float32 norms, a NaN and an Inf, zero norms, a monitored-only unit, the warm-up, both phases
+    rows = [[1.0, 2.0, 0.0, 1.0], [1.5, 2.0, 0.0, NAN], [1.0, 9.0, 0.5, 1.0], [3.0, 2.0, 0.0, 1.2],
+            [1.0, INF, 4.0, 1.0], [1.1, 2.5, 0.5, 3.0]]
+    more = [[1.0, 2.0, 0.5, 1.0], [5.0, 2.0, 0.5, 1.0], [1.0, 2.0, 3.0, 1.0], [1.0, 0.0, 0.5, 9.0]]
+    cfg = GNMRConfig(max_active=2, lock_steps=lock_steps, window=3, init_steps=2, full_recovery_steps=2)
+    a = GNMRController(4, cfg, recoverable=[0, 1, 3])
+    for row in rows:
+        a.step(torch.tensor(row))  # float32, as a callback gathers them
+    assert json.dumps(a.state_dict()) == SAVED_STATES[lock_steps]
+    b = GNMRController.from_state_dict(json.loads(SAVED_STATES[lock_steps]))
+    assert b.locks.tolist() == a.locks.tolist() == json.loads(SAVED_STATES[lock_steps])["locks"]
+    for row in more:
+        assert a.step(torch.tensor(row)).tolist() == b.step(torch.tensor(row)).tolist()
+        assert json.dumps(a.last_record) == json.dumps(b.last_record)
+    assert json.dumps(a.state_dict()) == json.dumps(b.state_dict())
+
+
 def test_load_state_dict_rejects_mismatches():
     state = GNMRController(4, GNMRConfig(max_active=2)).state_dict()
     with pytest.raises(ValueError, match="num_units"):

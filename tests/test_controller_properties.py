@@ -8,6 +8,7 @@ and risk values, bit for bit (both add the histories oldest-first), and the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -16,7 +17,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gnmr_hf.core import controller as controller_module
 from gnmr_hf.core.controller import GNMRConfig, GNMRController
+
+# The top-K cut sorts up to _TOP_K_SORT_MAX candidates and partitions more; the reference checks run
+# once with each (the scenarios are too small to reach the partition at the default bound).
+TOP_K_PATHS = pytest.mark.parametrize("sort_max", [10**9, 0], ids=["sort", "partition"])
+
+
+@contextlib.contextmanager
+def top_k_sort_max(value: int):
+    saved = controller_module._TOP_K_SORT_MAX
+    controller_module._TOP_K_SORT_MAX = value
+    try:
+        yield
+    finally:
+        controller_module._TOP_K_SORT_MAX = saved
 
 
 class Reference:
@@ -146,17 +162,21 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 THOROUGH = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@TOP_K_PATHS
 @SETTINGS
 @given(scenarios())
-def test_matches_loop_reference(scenario):
-    check_against_reference(scenario)
+def test_matches_loop_reference(sort_max, scenario):
+    with top_k_sort_max(sort_max):
+        check_against_reference(scenario)
 
 
 @pytest.mark.slow
+@TOP_K_PATHS
 @THOROUGH
 @given(scenarios())
-def test_matches_loop_reference_thoroughly(scenario):
-    check_against_reference(scenario)
+def test_matches_loop_reference_thoroughly(sort_max, scenario):
+    with top_k_sort_max(sort_max):
+        check_against_reference(scenario)
 
 
 def check_against_reference(scenario):
@@ -217,9 +237,11 @@ def test_state_round_trip_through_json_changes_nothing(scenario, data):
     assert json.dumps(a.state_dict()) == json.dumps(b.state_dict())
 
 
-def test_matches_loop_reference_at_large_u():
+@TOP_K_PATHS
+def test_matches_loop_reference_at_large_u(sort_max, monkeypatch):
     """Hundreds of units, so the top-K cut, the tie handling and the fast paths run at a size the
     hypothesis scenarios do not reach: spikes, exact ties, zeros and non-finite norms included."""
+    monkeypatch.setattr(controller_module, "_TOP_K_SORT_MAX", sort_max)
     U, T = 300, 40
     gen = torch.Generator().manual_seed(0)
     cfg = GNMRConfig(max_active=12, lock_steps=2, alpha=1.2, alpha_init=1.6, beta=1.4, window=4, init_steps=5)

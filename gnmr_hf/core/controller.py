@@ -243,6 +243,17 @@ class GNMRController:
         )
         self._recoverable = self.recoverable.numpy().copy()
         self._num_recoverable = int(self._recoverable.sum())
+        # (alpha_t, beta_t) during and after the init phase, as floats (the record's values) and as
+        # 0-d arrays (NumPy compares an array with a 0-d array faster than with a Python float);
+        # t = 0 is always in the init phase. The config is read here once: step() uses these.
+        self._thresholds = tuple(
+            (a, b, np.array(a), np.array(b)) for a, b in (config.thresholds(0), config.thresholds(config.init_steps + 1))
+        )
+        self._window_size = np.array(float(config.window))  # the window mean's divisor once the window is full
+        self._init_steps = config.init_steps
+        self._max_active = config.max_active
+        self._lock_steps = config.lock_steps
+        self._full_recovery_steps = config.full_recovery_steps
         self._reset_state()
 
     # ------------------------------------------------------------------ setup
@@ -262,7 +273,10 @@ class GNMRController:
         # zeros add exactly), the order a plain sum over one unit's window list uses.
         self._gnmr_window = [np.zeros(U, dtype=np.float64) for _ in range(W)]
         self._gnmr_count = np.zeros(U, dtype=np.int64)  # finite GNMR values ever pushed
-        self._locks = np.zeros(U, dtype=np.int64)
+        # The lock counters, and which are non-zero. With lock_steps = 1 a counter is 1 exactly while
+        # its unit is locked, so only the mask is kept (_locks is None; _lock_counters() derives them).
+        self._locks = None if self.config.lock_steps == 1 else np.zeros(U, dtype=np.int64)
+        self._locked = np.zeros(U, dtype=bool)
         self._refresh_flags()
         # run totals (Python ints)
         self._totals = dict.fromkeys(_TOTAL_KEYS, 0)
@@ -277,7 +291,13 @@ class GNMRController:
         # every unit has a full window: the window mean divides by the constant `window`
         self._window_full = bool(np.all(self._gnmr_count >= self.config.window))
         # how many lock counters are non-zero: with none, a candidate is just a risky recoverable unit
-        self._n_locked = int(np.count_nonzero(self._locks))
+        self._n_locked = int(np.count_nonzero(self._locked))
+
+    def _lock_counters(self) -> np.ndarray:
+        """The lock counters L_b as an int64 array [U] (do not modify)."""
+        if self._locks is None:  # lock_steps == 1
+            return self._locked.astype(np.int64)
+        return self._locks
 
     def initial_mask(self) -> torch.Tensor:
         """The mask for step 1: every recoverable unit if ``full_recovery_steps > 0``, else none."""
@@ -293,7 +313,7 @@ class GNMRController:
     @property
     def locks(self) -> torch.Tensor:
         """Lock counters L_b ([U] int64, a copy)."""
-        return torch.from_numpy(self._locks.copy())
+        return torch.from_numpy(self._lock_counters().copy())
 
     # ------------------------------------------------------------------ the step
 
@@ -311,9 +331,11 @@ class GNMRController:
             norms = norms.to(torch.float64)  # bfloat16 and integer dtypes: NumPy cannot take them as they are
         if norms.requires_grad:
             norms = norms.detach()
+        if not norms.is_cpu:
+            norms = norms.cpu()
         # + 0.0 turns -0.0 into +0.0 (so no signed zero reaches the histories: a window of -0.0
         # values would otherwise divide into -inf) and gives the step its own float64 copy
-        return np.add(norms.cpu().numpy(), 0.0, dtype=np.float64)
+        return np.add(norms.numpy(), _ZERO, dtype=np.float64)
 
     def step(self, norms: torch.Tensor) -> torch.Tensor:
         """Take step t's per-unit gradient norms and return the mask for step t + 1.
@@ -327,94 +349,90 @@ class GNMRController:
             `torch.BoolTensor` [U] on the CPU: the units on the recovery path at the next step.
         """
         # The arithmetic runs in NumPy float64 on the CPU: at the usual U (tens of layers) a step is
-        # a few dozen tiny array ops, NumPy's per-op cost is a fraction of torch's, and the common
-        # case (finite norms, warmed-up histories, no locks) skips the fix-ups it cannot need.
+        # a few dozen tiny array ops, NumPy's per-op cost is a fraction of torch's, and the usual
+        # step (finite norms, warmed-up histories) skips the fix-ups it cannot need. At that size the
+        # cost is the number of array ops, so the step makes as few as it can: the risk R is only
+        # computed when the top-K cut needs it (or the record is read), the risky test compares GNMR
+        # and Delta with the thresholds directly, and the lock mask is kept next to the counters.
         n = self._as_norms(norms)
-        cfg = self.config
-        K = cfg.max_active
         t = self.t + 1
-        alpha, beta = cfg.thresholds(t)
-        # one reduction tells whether every norm is finite (NaN and +-inf make the sum non-finite;
-        # so can an overflow, which only sends the step down the general path)
-        all_finite = math.isfinite(np.add.reduce(n))
-        if all_finite:
-            nonfinite, n_nonfinite = None, 0
-        else:
-            nonfinite = ~(n < math.inf)  # NaN compares False; -inf is caught just below
-            n_nonfinite = int(np.count_nonzero(nonfinite))
-        # fmin skips NaN, so one reduction finds any negative value (-inf included); checked before
-        # any state changes, so that a bad input leaves the controller untouched
-        if np.fmin.reduce(n) < 0.0:
-            n_negative = int(np.count_nonzero(n < 0.0))
-            raise ValueError(f"norms must be >= 0 (they are L2 norms); got {n_negative} negative value(s)")
-
+        alpha, beta, alpha_a, beta_a = self._thresholds[t > self._init_steps]
+        rows = self._gnmr_window
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite
             # history (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already
-            # right. With a positive mean everywhere, a finite norm gives no NaN. Non-finite norms
-            # are overwritten with NaN afterwards.
+            # right. With a positive mean everywhere a NaN or infinite GNMR can only come from a
+            # NaN or infinite norm (or an overflow), so one reduction clears the usual step.
             gnmr = n / (self._norm_sum / self._norm_count)
-            if not (self._history_positive and all_finite):
-                gnmr[np.isnan(gnmr)] = 1.0
-            if n_nonfinite:
-                gnmr[nonfinite] = math.nan
+            if self._history_positive and np.maximum.reduce(gnmr) < math.inf:
+                # every norm and every GNMR is finite (a NaN norm makes the maximum NaN); checked
+                # before any state changes, so that a bad input leaves the controller untouched
+                if np.minimum.reduce(n) < 0.0:
+                    self._raise_negative(n)
+                nonfinite, n_nonfinite, push_all = None, 0, True
+            else:
+                nonfinite, n_nonfinite, push_all = self._fix_gnmr(n, gnmr)
 
             # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
             # k = 0 and 0/0, rows added oldest-first (a fixed rounding order, see _reset_state).
-            rows = self._gnmr_window
             wsum = rows[0]
             for row in rows[1:]:  # over the window (W rows), not over units
                 wsum = wsum + row
-            k = cfg.window if self._window_full else np.minimum(self._gnmr_count, cfg.window)
+            k = self._window_size if self._window_full else np.minimum(self._gnmr_count, self.config.window)
             delta = gnmr / (wsum / k)
             delta[np.isnan(delta)] = 1.0
             if n_nonfinite:
                 delta[nonfinite] = math.nan
 
-            risk = np.maximum(gnmr / alpha, delta / beta)
-        if n_nonfinite:
-            risk[nonfinite] = math.inf
-        risky = risk >= 1.0
-        n_risky = int(np.count_nonzero(risky))
-        # GNMR >= alpha implies GNMR / alpha >= 1 (rounded division by a positive number is monotone
-        # and alpha / alpha = 1), and likewise for Delta: with no risky unit both counts are 0
-        over_gnmr = int(np.count_nonzero(gnmr >= alpha)) if n_risky else 0
-        over_delta = int(np.count_nonzero(delta >= beta)) if n_risky else 0
-        # A lock is only ever set on a selected (so recoverable) unit: with no risky unit and no lock
-        # there is no candidate, and the quiet step, the usual one, is done here.
-        if n_risky == 0 and self._n_locked == 0:
-            cand, n_cand = risky, 0
-        else:
-            cand = risky if self._n_locked == 0 else risky | (self._locks > 0)
-            if self._num_recoverable < self.num_units:
-                cand = cand & self._recoverable
-            n_cand = int(np.count_nonzero(cand))
-
-        # top max_active candidates by R, ties to the lower index
-        if n_cand <= K:
-            selected = cand
-        elif K == 0:
-            selected = np.zeros_like(cand)
-        else:
-            # the K-th largest R is the cut: everything above it is in, and of the units tied at
-            # it, the lowest indices fill the remaining places (cumsum counts ties in index order)
-            key = np.where(cand, risk, -1.0)  # R >= 0, so non-candidates rank below all
-            cut = np.partition(key, self.num_units - K)[self.num_units - K]
-            above = key > cut
-            tied = key == cut
-            selected = above | (tied & (np.cumsum(tied) <= K - np.count_nonzero(above)))
+            # Risky means R = max(GNMR / alpha, Delta / beta) >= 1, that is GNMR >= alpha or
+            # Delta >= beta: for x >= 0 (+inf included) and a finite y > 0 the rounded quotient
+            # x / y is >= 1 exactly when x >= y (rounding is monotone, y / y = 1, and for x < y the
+            # exact x / y is at most 1 - 2**-53, a double). A non-finite norm's NaN GNMR and Delta
+            # compare False (so they count as no exceedance) and its R = +inf makes it risky.
+            over_g = gnmr >= alpha_a
+            over_d = delta >= beta_a
+            over_gnmr = int(np.count_nonzero(over_g))
+            over_delta = int(np.count_nonzero(over_d))
+            n_locked = self._n_locked
+            U, K = self.num_units, self._max_active
+            risk = None
+            # A lock is only ever set on a selected (so recoverable) unit: with no risky unit and no
+            # lock there is no candidate, and the quiet step is done here.
+            if not (over_gnmr or over_delta or n_nonfinite or n_locked):
+                risky = selected = over_g  # all False
+                n_cand = 0
+            else:
+                risky = over_g | over_d
+                if n_nonfinite:
+                    risky |= nonfinite
+                cand = risky | self._locked if n_locked else risky
+                if self._num_recoverable < U:
+                    cand = cand & self._recoverable
+                n_cand = int(np.count_nonzero(cand))
+                # top max_active candidates by R, ties to the lower index
+                if n_cand <= K:
+                    selected = cand
+                elif K == 0:
+                    selected = np.zeros(U, dtype=bool)
+                else:
+                    risk = _risk(gnmr, delta, alpha, beta, nonfinite)
+                    selected = _top_k(cand, risk, K)
         n_selected = min(n_cand, K)
 
-        # locks, from the budgeted selection even during the warm-up (no candidate: all stay 0)
-        if cfg.lock_steps and n_cand:
+        # locks, from the budgeted selection even during the warm-up. Every locked unit is a
+        # candidate, so with no candidate there is no lock to set or decay.
+        lock_steps = self._lock_steps
+        if lock_steps and n_cand:
             locked_now = selected & risky
-            if self._n_locked:
-                locks = np.maximum(self._locks - 1, 0)
-                locks[locked_now] = cfg.lock_steps
+            if self._locks is None:  # lock_steps == 1: every other lock decays to 0
+                locked = locked_now
             else:
-                locks = locked_now * cfg.lock_steps
-            self._locks = locks
-            self._n_locked = int(np.count_nonzero(locks))
+                locks = np.maximum(self._locks - 1, 0) if n_locked else np.zeros(U, dtype=np.int64)
+                locks[locked_now] = lock_steps
+                self._locks = locks
+                locked = locks > 0
+            self._locked = locked
+            self._n_locked = int(np.count_nonzero(locked))
 
         # histories: only finite norms, only finite GNMR values (the counts are float64, so the
         # mean needs no int-to-float conversion)
@@ -426,20 +444,17 @@ class GNMRController:
             self._norm_count += 1.0
         if not self._history_positive:
             self._history_positive = bool(np.all(self._norm_sum > 0.0))
-        shifted = rows[1:] + [gnmr]
-        # GNMR >= 0 here; NaN and +inf stay out of the window (with finite norms GNMR has no NaN, and
-        # the maximum would propagate one anyway)
-        if all_finite and np.maximum.reduce(gnmr) < math.inf:
+        if push_all:
+            self._gnmr_window = rows[1:] + [gnmr]
             self._gnmr_count += 1
-        else:  # rare: some unit had a non-finite norm or an infinite GNMR
+        else:  # rare: some unit had a non-finite norm or an infinite GNMR (GNMR >= 0 or NaN here)
             push = gnmr < math.inf
-            shifted = [np.where(push, new_row, old_row) for new_row, old_row in zip(shifted, rows)]
+            self._gnmr_window = [np.where(push, new_row, old_row) for new_row, old_row in zip(rows[1:] + [gnmr], rows)]
             self._gnmr_count += push
-        self._gnmr_window = shifted
         if not self._window_full:
-            self._window_full = bool(np.minimum.reduce(self._gnmr_count) >= cfg.window)
+            self._window_full = bool(np.minimum.reduce(self._gnmr_count) >= self.config.window)
 
-        warmup = t + 1 <= cfg.full_recovery_steps
+        warmup = t < self._full_recovery_steps  # the mask is for step t + 1 <= full_recovery_steps
         new = self._recoverable if warmup else selected
         old = self._active
         n_new = self._num_recoverable if warmup else n_selected
@@ -448,7 +463,6 @@ class GNMRController:
         n_old = self._n_active
         # |new| - |old| = promotions - demotions and |new ^ old| = promotions + demotions
         n_prom = (n_switch + n_new - n_old) // 2
-        n_dem = n_switch - n_prom
         hit_max = n_selected == K
 
         tot = self._totals
@@ -457,19 +471,48 @@ class GNMRController:
         tot["nonfinite"] += n_nonfinite
         tot["active_unit_steps"] += n_old  # `old` is the mask that was in effect during step t
         tot["promotions"] += n_prom
-        tot["demotions"] += n_dem
-        tot["hit_max_steps"] += int(hit_max)
+        tot["demotions"] += n_switch - n_prom
+        tot["hit_max_steps"] += hit_max
 
         self.t = t
         self._active = new
         self._n_active = n_new
-        # the record's lists are built on first access: step() stays cheap at U = 10,000
+        # the record (and R, unless the cut needed it) is built on first access: step() stays cheap
         self._record_arrays = (
-            t, new, old, selected, gnmr, delta, risk, warmup, alpha, beta,
+            t, new, old, selected, gnmr, delta, risk, nonfinite, warmup, alpha, beta,
             over_gnmr, over_delta, n_cand, hit_max, n_nonfinite,
         )
         self._record_cache = None
         return torch.from_numpy(new.copy())
+
+    def _fix_gnmr(self, n: np.ndarray, gnmr: np.ndarray) -> tuple[np.ndarray | None, int, bool]:
+        """The general case of the GNMR (in place): no finite history, zero means, non-finite norms.
+
+        Returns the non-finite norm mask (None when there is none), their count, and whether every
+        GNMR is finite (so every unit pushes it into its window). Raises on a negative norm.
+        """
+        # one reduction tells whether every norm is finite (NaN and +-inf make the sum non-finite;
+        # so can an overflow, which only costs the mask below)
+        all_finite = math.isfinite(np.add.reduce(n))
+        if all_finite:
+            nonfinite, n_nonfinite = None, 0
+        else:
+            nonfinite = ~(n < math.inf)  # NaN compares False; -inf is caught just below
+            n_nonfinite = int(np.count_nonzero(nonfinite))
+        # fmin skips NaN, so one reduction finds any negative value (-inf included)
+        if np.fmin.reduce(n) < 0.0:
+            self._raise_negative(n)
+        if not (self._history_positive and all_finite):
+            gnmr[np.isnan(gnmr)] = 1.0
+        if n_nonfinite:
+            gnmr[nonfinite] = math.nan
+        # GNMR >= 0 here; NaN and +inf stay out of the window (the maximum propagates a NaN)
+        return nonfinite, n_nonfinite, all_finite and np.maximum.reduce(gnmr) < math.inf
+
+    @staticmethod
+    def _raise_negative(n: np.ndarray) -> None:
+        n_negative = int(np.count_nonzero(n < 0.0))
+        raise ValueError(f"norms must be >= 0 (they are L2 norms); got {n_negative} negative value(s)")
 
     # ------------------------------------------------------------------ reporting
 
@@ -490,8 +533,11 @@ class GNMRController:
         if self._record_arrays is None:
             return None
         if self._record_cache is None:
-            (t, new, old, selected, gnmr, delta, risk, warmup, alpha_t, beta_t,
+            (t, new, old, selected, gnmr, delta, risk, nonfinite_mask, warmup, alpha_t, beta_t,
              over_gnmr, over_delta, n_cand, hit_max, nonfinite) = self._record_arrays
+            if risk is None:
+                with np.errstate(over="ignore"):
+                    risk = _risk(gnmr, delta, alpha_t, beta_t, nonfinite_mask)
             self._record_cache = {
                 "step": t,
                 "active": np.flatnonzero(new).tolist(),
@@ -553,7 +599,7 @@ class GNMRController:
             "recoverable": self.recoverable.tolist(),
             "t": self.t,
             "active": self._active.tolist(),
-            "locks": self._locks.tolist(),
+            "locks": self._lock_counters().tolist(),
             "norm_sum": self._norm_sum.tolist(),
             "norm_count": self._norm_count.astype(np.int64).tolist(),
             "gnmr_window": np.stack(self._gnmr_window, axis=1).tolist(),  # [U][W], oldest first
@@ -597,7 +643,9 @@ class GNMRController:
         self.t = int(state["t"])
         self._active = np.asarray(state["active"], dtype=bool)
         self._n_active = int(self._active.sum())
-        self._locks = np.asarray(state["locks"], dtype=np.int64)
+        locks = np.asarray(state["locks"], dtype=np.int64)
+        self._locked = locks > 0
+        self._locks = None if self.config.lock_steps == 1 else locks
         self._norm_sum = np.asarray(state["norm_sum"], dtype=np.float64)
         self._norm_count = np.asarray(state["norm_count"], dtype=np.float64)
         self._gnmr_window = [row.copy() for row in window.T]
@@ -627,6 +675,41 @@ class GNMRController:
 
 # dtypes NumPy holds natively: their tensors convert without a torch-side cast
 _NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
+_ZERO = np.zeros(())  # a float64 0-d array: NumPy adds it faster than the Python float 0.0
+
+
+# up to this many candidates the top-K cut sorts them; more are cut with a partition (linear time)
+_TOP_K_SORT_MAX = 512
+
+
+def _risk(gnmr: np.ndarray, delta: np.ndarray, alpha: float, beta: float, nonfinite: np.ndarray | None) -> np.ndarray:
+    """R = max(GNMR / alpha_t, Delta / beta_t) per unit, +inf where the norm was not finite (a new array).
+
+    Call it under ``np.errstate(over="ignore")``: a tiny threshold can overflow the quotient to +inf.
+    """
+    risk = np.maximum(gnmr / alpha, delta / beta)
+    if nonfinite is not None:
+        risk[nonfinite] = math.inf
+    return risk
+
+
+def _top_k(cand: np.ndarray, risk: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` candidates with the largest R as a new bool mask, ties to the lower index (0 < k < |cand|)."""
+    idx = cand.nonzero()[0]  # the candidates' indices, ascending
+    r = risk[idx]  # R >= 0 (+inf allowed, never NaN)
+    if len(idx) <= _TOP_K_SORT_MAX:
+        # a stable sort by -R keeps the candidates tied at one R in index order
+        top = idx[(-r).argsort(kind="stable")[:k]]
+    else:
+        # the k-th largest R is the cut: everything above it is in, and of the candidates tied at
+        # it, the lowest indices fill the remaining places (cumsum counts ties in index order)
+        cut = -np.partition(-r, k - 1)[k - 1]
+        above = r > cut
+        tied = r == cut
+        top = idx[above | (tied & (tied.cumsum() <= k - np.count_nonzero(above)))]
+    selected = np.zeros(len(cand), dtype=bool)
+    selected[top] = True
+    return selected
 
 _TOTAL_KEYS = (
     "gnmr_exceed",
