@@ -361,14 +361,18 @@ class GNMRController:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite
             # history (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already
-            # right. With a positive mean everywhere a NaN or infinite GNMR can only come from a
-            # NaN or infinite norm (or an overflow), so one reduction clears the usual step.
+            # right. With a positive mean everywhere, a NaN or infinite GNMR can only come from a
+            # NaN or infinite norm (or an overflow) and a GNMR <= 0 (-0.0 included) from a norm
+            # <= 0 (or an underflow), so two reductions clear the usual step: every GNMR finite and
+            # positive. Anything else (negative norms included) goes through _fix_gnmr, before any
+            # state changes, so that a bad input leaves the controller untouched.
             gnmr = n / (self._norm_sum / self._norm_count)
-            if self._history_positive and np.maximum.reduce(gnmr) < math.inf:
-                # every norm and every GNMR is finite (a NaN norm makes the maximum NaN); checked
-                # before any state changes, so that a bad input leaves the controller untouched
-                if np.minimum.reduce(n) < 0.0:
-                    self._raise_negative(n)
+            usual = (
+                self._history_positive
+                and np.maximum.reduce(gnmr) < math.inf  # a NaN norm makes the maximum NaN
+                and np.minimum.reduce(gnmr) > 0.0
+            )
+            if usual:
                 nonfinite, n_nonfinite, push_all = None, 0, True
             else:
                 nonfinite, n_nonfinite, push_all = self._fix_gnmr(n, gnmr)
@@ -380,7 +384,10 @@ class GNMRController:
                 wsum = wsum + row
             k = self._window_size if self._window_full else np.minimum(self._gnmr_count, self.config.window)
             delta = gnmr / (wsum / k)
-            delta[np.isnan(delta)] = 1.0
+            # with k > 0 a NaN needs 0 / 0 (a finite GNMR over a finite window mean): never in the
+            # usual step, whose GNMR values are all positive
+            if not (usual and self._window_full):
+                delta[np.isnan(delta)] = 1.0
             if n_nonfinite:
                 delta[nonfinite] = math.nan
 
@@ -423,7 +430,9 @@ class GNMRController:
         # candidate, so with no candidate there is no lock to set or decay.
         lock_steps = self._lock_steps
         if lock_steps and n_cand:
-            locked_now = selected & risky
+            # selected & risky; when every candidate is selected and every unit recoverable, that is
+            # (risky | locked) & risky = risky
+            locked_now = risky if n_cand <= K and self._num_recoverable == U else selected & risky
             if self._locks is None:  # lock_steps == 1: every other lock decays to 0
                 locked = locked_now
             else:
@@ -486,7 +495,7 @@ class GNMRController:
         return torch.from_numpy(new.copy())
 
     def _fix_gnmr(self, n: np.ndarray, gnmr: np.ndarray) -> tuple[np.ndarray | None, int, bool]:
-        """The general case of the GNMR (in place): no finite history, zero means, non-finite norms.
+        """The general case of the GNMR (in place): no finite history, zero means or norms, non-finite norms.
 
         Returns the non-finite norm mask (None when there is none), their count, and whether every
         GNMR is finite (so every unit pushes it into its window). Raises on a negative norm.
