@@ -35,6 +35,14 @@ def top_k_sort_max(value: int):
         controller_module._TOP_K_SORT_MAX = saved
 
 
+def left_sum(values: list[float]) -> float:
+    """Plain left-to-right float sum (the builtin sum() compensates its rounding from Python 3.12 on)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
 class Reference:
     """The rules of docs/design.md, literally, one unit at a time."""
 
@@ -71,13 +79,13 @@ class Reference:
             if not past:
                 gb = 1.0
             else:
-                mean = sum(past) / len(past)
+                mean = left_sum(past) / len(past)
                 gb = (1.0 if x == 0 else math.inf) if mean == 0 else x / mean
             win = self.gnmrs[b][-cfg.window:]
             if not win:
                 db = 1.0
             else:
-                wmean = sum(win) / len(win)
+                wmean = left_sum(win) / len(win)
                 db = (1.0 if gb == 0 else math.inf) if wmean == 0 else gb / wmean
             g.append(gb)
             d.append(db)
