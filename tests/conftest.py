@@ -48,3 +48,14 @@ def smollm2_dir():
         return smollm2_checkpoint()
     except FileNotFoundError as e:  # the package is a CI install step; say so instead of erroring
         pytest.fail(f"{e} (the test setup installs it: see .ci/run)")
+
+
+def load_bench(name: str):
+    """The benchmark script ``bench/{name}.py`` as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,17 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
+gpu_check = load_bench("gpu_check")
 
 
 def _finite(x) -> bool:

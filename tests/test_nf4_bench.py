@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import gnmr_hf
+from tests.conftest import load_bench
 from tests.test_dual_path import copy_lora, load, wrap
 
 peft = pytest.importorskip("peft")
@@ -22,14 +22,7 @@ pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("nf4_bench", ROOT / "bench" / "nf4_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-nb = _bench()
+nb = load_bench("nf4_bench")
 
 
 def _unit_grads(pm, num_layers):
