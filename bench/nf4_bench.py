@@ -175,29 +175,6 @@ def heldout_loss(model, tokenizer, problems: list[dict[str, str]], script, batch
     return total / count
 
 
-def load_model(recipe, model_path: str, dtype):
-    """The gnmr-nf4 recipe's model (NF4 base, a recovery path per decoder layer, LoRA), computed in ``dtype``.
-
-    ``recipes/finetune.py`` computes in BF16; on a CPU without BF16 matrix instructions that is about 12x
-    slower than FP32 (110 s against 9 s per SmolLM2 step here), so the bench defaults to FP32: the NF4
-    path de-quantises to FP32 and the recovery path holds the checkpoint's BF16 weights upcast to FP32
-    (the same values). What the two paths differ in is then the weights alone.
-    """
-    import peft
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    import gnmr_hf
-
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                               bnb_4bit_use_double_quant=recipe.script.bnb_4bit_use_double_quant)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
-    model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage, dtype=dtype)
-    lora = peft.LoraConfig(r=recipe.lora.lora_r, lora_alpha=recipe.lora.lora_alpha,
-                           lora_dropout=recipe.lora.lora_dropout, target_modules=recipe.lora.lora_target_modules,
-                           task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, lora)
-
-
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -226,7 +203,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     train_ds = finetune.tokenize_dataset(script, finetune.load_records(script, str(out)), tokenizer)
-    model = load_model(recipe, model_path, getattr(torch, args.compute_dtype))
+    # FP32 by default: recipes/finetune.py computes in BF16, which a CPU without BF16 matrix instructions
+    # runs about 12x slower (bench/nf4_step.py); the NF4 path then de-quantises to FP32 and the recovery
+    # path holds the checkpoint's BF16 weights upcast to FP32 (the same values): the paths differ in the
+    # weights alone
+    model = finetune.load_model(recipe, model_path, getattr(torch, args.compute_dtype))
     units = resolve_units(model)
     U = len(units)
 
@@ -305,7 +286,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 def oracle_report(acc, rows: list[dict[str, Any]], U: int, K: int, profile_steps: int, edge_units, method: str) -> dict[str, Any]:
     """Score GNMR's sets and counterfactual triggers' sets against the oracle on the run's steps."""
-    from gnmr_hf.core.policies import _top_k, most_active_units
+    from gnmr_hf.core.oracle import oracle_mask
+    from gnmr_hf.core.policies import most_active_units
+
+    def top(gaps):  # the K largest gaps, ties to the lower index
+        return oracle_mask(gaps, K).nonzero().flatten().tolist()
 
     profile = None
     used_most = most_active_units([r["active"] for r in rows], U, K)
@@ -313,11 +298,11 @@ def oracle_report(acc, rows: list[dict[str, Any]], U: int, K: int, profile_steps
     for i, r in enumerate(rows):
         choices = {f"{method} (as run)": r["active"], "first/last layers": edges, "GNMR's most-used layers": used_most}
         if i > 0:
-            choices["previous step's gap"] = _top_k(rows[i - 1]["gaps"], K, [True] * U)
+            choices["previous step's gap"] = top(rows[i - 1]["gaps"])
         if i >= profile_steps:
             if profile is None:
                 cols = list(zip(*[rows[j]["gaps"] for j in range(profile_steps)]))
-                profile = _top_k([sum(c) / len(c) for c in cols], K, [True] * U)
+                profile = top([sum(c) / len(c) for c in cols])
             choices[f"gap profile (first {profile_steps} steps)"] = profile
         acc.add(r["step"], r["gaps"], choices)
     return acc.to_dict()

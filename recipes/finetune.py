@@ -363,8 +363,9 @@ def resolve_model_path(name: str) -> str:
         raise RecipeError(f"model {name!r} not found: not a folder, and the hub gave {type(e).__name__}: {e}") from None
 
 
-def quantization_config(script: ScriptArguments):
-    """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16)."""
+def quantization_config(script: ScriptArguments, compute_dtype=None):
+    """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in ``compute_dtype``
+    (BF16 by default)."""
     if script.precision == "bf16":
         return None
     import torch
@@ -376,28 +377,37 @@ def quantization_config(script: ScriptArguments):
 
     if script.precision in INT8_PRECISIONS:
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_compute_dtype=compute_dtype or torch.bfloat16,
                               bnb_4bit_use_double_quant=script.bnb_4bit_use_double_quant)
 
 
-def load_model(recipe: Recipe, model_path: str):
-    """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``)."""
+def load_model(recipe: Recipe, model_path: str, dtype=None):
+    """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``).
+
+    ``dtype`` (default BF16) is the dtype the model is loaded and computed in: the unquantised weights,
+    the 4-bit compute dtype and the recovery weights (bench/nf4_bench.py uses FP32 on CPUs without BF16
+    matrix instructions).
+    """
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or torch.bfloat16
+
     # under DDP on GPUs each process holds a whole replica on its own device
     device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, device_map=device_map,
-                                                     quantization_config=quantization_config(recipe.script))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device_map,
+                                                     quantization_config=quantization_config(recipe.script, dtype))
     except OSError as e:
         raise RecipeError(f"could not load the model from {model_path}: {e}") from None
     if recipe.script.precision in GNMR_PRECISIONS:
         import gnmr_hf
 
         # before LoRA: the dual-path layers replace the quantised linears that LoRA then wraps
-        model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage)
+        model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage,
+                                          dtype=dtype)
     if recipe.training.activation_checkpointing:
         model.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
     lora = peft.LoraConfig(r=recipe.lora.lora_r, lora_alpha=recipe.lora.lora_alpha,
