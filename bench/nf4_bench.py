@@ -147,26 +147,24 @@ class GapProbe:
 
 
 def heldout_loss(model, tokenizer, problems: list[dict[str, str]], script, batch_size: int = 8) -> float:
-    """Mean loss per response token over ``problems`` (the training template; prompt tokens masked)."""
+    """Mean loss per response token over ``problems``, tokenised and padded as the recipe trains
+    (``finetune.tokenize_dataset``: prompt tokens masked; the Trainer's collator)."""
+    import datasets
     import torch
+    from transformers import DataCollatorForSeq2Seq
 
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import finetune
+
+    rows = finetune.tokenize_dataset(script, datasets.Dataset.from_list(problems), tokenizer)
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     total, count = 0.0, 0
     model.eval()
-    for i in range(0, len(problems), batch_size):
-        rows = []
-        for row in problems[i:i + batch_size]:
-            p = tokenizer(script.prompt_template.format(**row))["input_ids"]
-            r = tokenizer(script.response_template.format(**row), add_special_tokens=False)["input_ids"]
-            r = r + [tokenizer.eos_token_id]
-            rows.append(((p + r)[:script.max_seq_len], ([-100] * len(p) + r)[:script.max_seq_len]))
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, (x, y) in enumerate(rows):
-            ids[j, :len(x)], labels[j, :len(y)], mask[j, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+    for i in range(0, len(rows), batch_size):
+        batch = collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))])
+        labels = batch.pop("labels")
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            logits = model(**batch).logits.float()
         shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
         loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
                                                  shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
@@ -186,7 +184,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     import gnmr_hf
     from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
     from gnmr_hf.core.oracle import OracleAccumulator
-    from gnmr_hf.core.policies import edge_units
     from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
     from gnmr_hf.units import resolve_units
 
@@ -244,7 +241,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                 if gap_wanted:
                     policy.observe_gap(gaps)
                 if oracle is not None:
-                    oracle_rows.append({"step": step, "gaps": gaps, "active": active_units(model, units)})
+                    oracle_rows.append({"step": step, "gaps": gaps})
             return super().training_step(model_, inputs, num_items_in_batch)
 
     trainer = BenchTrainer(model=model, args=training, train_dataset=train_ds,
@@ -275,7 +272,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "summary": summary, "threads": torch.get_num_threads(), "compute_dtype": args.compute_dtype,
     }
     if oracle is not None:
-        result["oracle"] = oracle_report(oracle, oracle_rows, U, max_active, args.profile_steps, edge_units, args.method)
+        for row in oracle_rows:  # the set this step ran, as recorded at its start
+            row["active"] = active_per_step[row["step"] - 1]
+        result["oracle"] = oracle_report(oracle, oracle_rows, U, max_active, args.profile_steps, args.method)
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, out / "result.json")
@@ -284,10 +283,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def oracle_report(acc, rows: list[dict[str, Any]], U: int, K: int, profile_steps: int, edge_units, method: str) -> dict[str, Any]:
-    """Score GNMR's sets and counterfactual triggers' sets against the oracle on the run's steps."""
+def oracle_report(acc, rows: list[dict[str, Any]], U: int, K: int, profile_steps: int, method: str) -> dict[str, Any]:
+    """Score the run's own sets and counterfactual triggers' sets against the oracle on the run's steps."""
     from gnmr_hf.core.oracle import oracle_mask
-    from gnmr_hf.core.policies import most_active_units
+    from gnmr_hf.core.policies import edge_units, most_active_units
 
     def top(gaps):  # the K largest gaps, ties to the lower index
         return oracle_mask(gaps, K).nonzero().flatten().tolist()

@@ -73,7 +73,7 @@ def test_heldout_loss_is_the_mean_response_token_loss(tiny_llama_dir):
     from transformers import AutoTokenizer
 
     class Script:
-        prompt_template, response_template, max_seq_len = "Q: {question}\nA:", " {answer}", 64
+        prompt_template, response_template, max_seq_len, chat_template = "Q: {question}\nA:", " {answer}", 64, False
 
     try:
         tok = AutoTokenizer.from_pretrained(str(gnmr_hf.smollm2_checkpoint()))
