@@ -187,6 +187,26 @@ def test_matches_loop_reference_thoroughly(sort_max, scenario):
         check_against_reference(scenario)
 
 
+@TOP_K_PATHS
+def test_history_mean_that_underflows_to_zero(sort_max):
+    # unit 2's only positive norm is the smallest subnormal: its history sum stays positive while
+    # the mean (sum / 2, sum / 3) rounds to 0, so a zero norm is 0/0 and its GNMR must be 1
+    cfg = GNMRConfig(max_active=0, lock_steps=0, alpha=0.5, beta=0.5, window=1)
+    rows = [
+        [0.0, 0.0, 0.0, 0.0, 0.5],
+        [0.0, 0.0, 5e-324, 0.0, 0.0],
+        [0.5, 0.5, 0.0, 0.5, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+    assert 5e-324 > 0 and 5e-324 / 2 == 0.0  # the premise: the mean underflows
+    with top_k_sort_max(sort_max):
+        check_against_reference((5, cfg, [False] * 5, rows))
+    ctrl = GNMRController(5, cfg)
+    for row in rows:
+        ctrl.step(torch.tensor(row, dtype=torch.float64))
+    assert ctrl.last_record["gnmr"][2] == 1.0
+
+
 def check_against_reference(scenario):
     U, cfg, recoverable, rows = scenario
     ctrl = GNMRController(U, cfg, recoverable=recoverable)

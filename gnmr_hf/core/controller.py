@@ -511,8 +511,9 @@ class GNMRController:
         # fmin skips NaN, so one reduction finds any negative value (-inf included)
         if np.fmin.reduce(n) < 0.0:
             self._raise_negative(n)
-        if not (self._history_positive and all_finite):
-            gnmr[np.isnan(gnmr)] = 1.0
+        # a NaN from a finite norm is 0/0 or x/NaN: no finite history, an all-zero history, or a
+        # positive history sum whose mean underflows to 0 (a subnormal sum over a growing count)
+        gnmr[np.isnan(gnmr)] = 1.0
         if n_nonfinite:
             gnmr[nonfinite] = math.nan
         # GNMR >= 0 here; NaN and +inf stay out of the window (the maximum propagates a NaN)
