@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,77 @@ def test_stress_mx_low_path_converts_the_layers(pretrain):
         pretrain.apply_method(model, "fixed4", {"mx": {}}, "mxfp4_e2m1")
     with pytest.raises(ValueError, match="needs an MX low path"):
         pretrain.apply_method(model, "fixed", {"quant": {"low_bits": 4, "high_bits": 8}}, "act")
+
+
+@pytest.mark.slow
+def test_stress_mx_seeds_report_and_plot(mx_runs, tmp_path):
+    """The per-method table over seeds (report.py --seeds) from real MX runs, and its command line."""
+    report = _load("report")
+    results = [report.load_result(out) for _, out in mx_runs.values()]
+    md = report.render_seeds(results)
+    assert "low path mxfp4_e2m1" in md
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"method", "mxfp4_e2m1", "GNMR+Δ", "ADAPT-style static", "BF16"}
+    for method, label in (("fixed", "mxfp4_e2m1"), ("gnmr", "GNMR+Δ"), ("bf16", "BF16")):
+        loss = mx_runs[method][0]["final_eval_loss"]
+        assert f"{loss:.4f} [{loss:.4f}, {loss:.4f}]" in rows[label]  # one seed: median = min = max
+    gnmr_summary = mx_runs["gnmr"][0]["policy_summary"]
+    assert f"| {gnmr_summary['promotion_ratio']:.3f} |" in rows["GNMR+Δ"]
+    assert rows["BF16"].split(" | ")[5] == "–"  # no promotion ratio for a method that never switches
+    png = tmp_path / "seeds.png"
+    report.plot_seeds(results, png)
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    # the command line finds the runs recursively (seed folders) and writes the same table
+    seed_dir = tmp_path / "bench" / "s0"
+    seed_dir.mkdir(parents=True)
+    for method, (_, out) in mx_runs.items():
+        shutil.copytree(out, seed_dir / method, ignore=shutil.ignore_patterns("checkpoint-*", "final"))
+    report.main([str(tmp_path / "bench"), "--seeds", "--out", str(tmp_path / "t.md")])
+    assert (tmp_path / "t.md").read_text() == md
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "empty_nothing_here"), "--seeds"])
+
+
+def test_mx_seeds_table_counts_spikes_and_divergence(tmp_path):
+    """Hand-made loss curves: spike runs and divergence counted as defined (factor x running minimum)."""
+    report = _load("report")
+
+    def fake(method: str, losses: list[float], final: float, seed: int) -> dict:
+        return {
+            "method": method, "low": "mxfp4_e2m1", "final_eval_loss": final, "wall_s": 10.0 * (seed + 1),
+            "run_dir": f"s{seed}/{method}", "monitor_only": method == "fixed",
+            "train_curve": list(enumerate(losses, start=1)),
+            "config": {"train": {"max_steps": len(losses)}},
+            "policy_summary": {"promotion_ratio": 0.25, "hit_max_rate": 0.5, "gnmr_exceedance_rate": 0.1,
+                               "delta_exceedance_rate": 0.2},
+        }
+
+    # diverged = mean of the last 20 losses above 1.2 x the minimum (3.0 here, so 3.6)
+    calm = [5.0, 4.0, 3.5, 3.2] + [3.0] * 16  # tail mean 3.185
+    # 3.7 > 1.2 * 3.0 = 3.6: one spike (steps 4-5); then 3.1 is back under 1.2 x 3.0; tail mean 3.38
+    one_spike = [5.0, 4.0, 3.0, 3.7, 3.8, 3.1] + [3.0] * 6
+    # two spikes; tail mean 24 / 7 = 3.43, not diverged
+    two_spikes = [4.0, 3.0, 4.0, 3.0, 4.0, 3.0, 3.0]
+    # non-finite: diverged, and a spike
+    nan_run = [5.0, 4.0, float("nan"), 4.0]
+    runs = [fake("fixed", one_spike, 3.5, 0), fake("fixed", two_spikes, 3.3, 1), fake("fixed", nan_run, 9.0, 2),
+            fake("gnmr", calm, 3.0, 0), fake("gnmr", calm, 3.2, 1)]
+    assert report.instability(runs[0], 1.2) == (1, False)
+    assert report.instability(runs[1], 1.2) == (2, False)
+    assert report.instability(runs[2], 1.2) == (1, True)
+    assert report.instability(runs[3], 1.2) == (0, False)
+    assert report.instability(fake("gnmr", calm[:5], 3.0, 0), 1.2) == (0, True)  # tail mean 3.74: never came down
+    # a higher factor sees none of the small spikes
+    assert report.instability(runs[0], 1.5) == (0, False)
+    table = report.table_seeds(runs, 1.2)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    fixed, gnmr = rows["mxfp4_e2m1"], rows["GNMR+Δ"]
+    assert fixed[1:5] == ["3", "3 (4)", "1", "3.5000 [3.3000, 9.0000]"]
+    assert fixed[5] == "–" and fixed[-1] == "20 |"  # median wall of 10, 20, 30
+    assert gnmr[1:5] == ["2", "0 (0)", "0", "3.1000 [3.0000, 3.2000]"]
+    assert gnmr[5:9] == ["0.250", "0.500", "10.0%", "20.0%"]
+    # a run logged every 10 steps cannot be checked for spikes: a clear error, not a silent 0
+    sparse = fake("gnmr", calm, 3.0, 0)
+    sparse["train_curve"] = [(2, 4.0), (4, 3.2)]
+    with pytest.raises(ValueError, match="logging_steps=1"):
+        report.instability(sparse, 1.2)

@@ -10,6 +10,16 @@ reads ``<run>/result.json`` and ``<run>/metrics.jsonl`` of every run folder unde
 - the matched-trigger table: final PPL, promotion ratio, hit-maxO rate, step time, peak memory (Table 11);
 
 and draws the validation loss per method against the optimizer step (PNG).
+
+With ``--seeds`` (several seeds per method, e.g. the MX bench of ``bench/mx_llama_bench.sh``) it prints
+one row per method instead: runs with spikes, divergences, final validation loss (median [min, max]),
+promotion ratio, hit-maxO rate, exceedance rates and wall time (medians over seeds), and plots the
+median validation curve per method with its min-max band. A spike is a maximal run of steps whose
+training loss is non-finite or above ``--spike-factor`` times the running minimum of the earlier
+steps' losses; a run diverged when a loss is non-finite or the mean of its last 20 losses is above
+that factor times its minimum (``mx_proxy.detect_spikes`` / ``mx_proxy.diverged``, with the factor
+set for cross-entropy losses rather than the proxy's MSE). Spikes need a training loss every step
+(``train.logging_steps=1``).
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
+import sys
 from pathlib import Path
 
 ORDER = ("fixed4", "gnmr", "fixed8", "bf16", "adapt", "gsnr", "random")
@@ -29,21 +41,34 @@ LABELS = {
     "gsnr": "GSNR ranking 4/8",
     "random": "Random ranking 4/8",
 }
+# on an MX low path (``--low mxfp4``): MX layers, up to max_active of them on the BF16 path
+MX_ORDER = ("fixed", "gnmr", "random", "gsnr", "adapt", "bf16")
+MX_LABELS = {
+    "fixed": "MX (fixed)",
+    "gnmr": "GNMR+Δ",
+    "random": "Random ranking",
+    "gsnr": "GSNR ranking",
+    "adapt": "ADAPT-style static",
+    "bf16": "BF16",
+}
 
 
 def load_result(run_dir: str | Path) -> dict:
     """``result.json`` of one run, with its eval curve re-read from ``metrics.jsonl``."""
     run_dir = Path(run_dir)
     res = json.loads((run_dir / "result.json").read_text())
-    curve = {}
+    curve, train = {}, {}
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
             rec = json.loads(line)
             if "eval_loss" in rec:
                 curve[rec["step"]] = rec["eval_loss"]
+            if "train_loss" in rec:
+                train[rec["step"]] = rec["train_loss"]
     curve[res["config"]["train"]["max_steps"]] = res["final_eval_loss"]
     res["curve"] = sorted(curve.items())
+    res["train_curve"] = sorted(train.items())
     res["run_dir"] = str(run_dir)
     return res
 
@@ -130,6 +155,109 @@ def render(results: list[dict]) -> str:
     ]) + "\n"
 
 
+def _label(r: dict) -> str:
+    if r.get("low", "act") != "act":
+        return r["low"] if r["method"] == "fixed" else MX_LABELS.get(r["method"], r["method"])
+    return LABELS.get(r["method"], r["method"])
+
+
+def _by_method(results: list[dict]) -> dict[str, list[dict]]:
+    order = MX_ORDER if any(r.get("low", "act") != "act" for r in results) else ORDER
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(results, key=lambda r: (order.index(r["method"]) if r["method"] in order else 99, r["run_dir"])):
+        groups.setdefault(r["method"], []).append(r)
+    return groups
+
+
+def instability(r: dict, factor: float) -> tuple[int, bool]:
+    """(number of spikes, diverged) of one run from its per-step training losses (see the module doc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        from mx_proxy import detect_spikes, diverged
+    finally:
+        sys.path.pop(0)
+    steps = [s for s, _ in r["train_curve"]]
+    if steps != list(range(1, r["config"]["train"]["max_steps"] + 1)):
+        raise ValueError(f"{r['run_dir']}: spikes need a training loss at every step (train.logging_steps=1); "
+                         f"found {len(steps)} of {r['config']['train']['max_steps']}")
+    losses = [v for _, v in r["train_curve"]]
+    return len(detect_spikes(losses, factor)), diverged(losses, factor)
+
+
+def _median_range(values: list[float], spec: str = ".4f") -> str:
+    if not values:
+        return "–"
+    return f"{statistics.median(values):{spec}} [{min(values):{spec}}, {max(values):{spec}}]"
+
+
+def table_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
+    """One row per method over its seeds: instability, final validation loss, the trigger's statistics."""
+    lines = [
+        "| method | seeds | runs with spikes (spikes) | diverged | final val. loss, median [min, max] | promotion ratio | "
+        "hit-maxO | GNMR ≥ α | Δ ≥ β | wall (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for method, runs in _by_method(results).items():
+        inst = [instability(r, spike_factor) for r in runs]
+        spiky = sum(1 for n, _ in inst if n)
+        summaries = [r["policy_summary"] for r in runs if r.get("policy_summary")]
+        monitor = all(r.get("monitor_only") for r in runs) or method == "bf16"
+
+        def med(key: str, pct: bool = False, summaries=summaries) -> str:
+            vals = [s[key] for s in summaries]
+            if not vals:
+                return "–"
+            v = statistics.median(vals)
+            return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+        lines.append(
+            f"| {_label(runs[0])} | {len(runs)} | {spiky} ({sum(n for n, _ in inst)}) | {sum(d for _, d in inst)} | "
+            f"{_median_range([r['final_eval_loss'] for r in runs])} | {'–' if monitor else med('promotion_ratio')} | "
+            f"{'–' if monitor else med('hit_max_rate')} | {med('gnmr_exceedance_rate', True)} | "
+            f"{med('delta_exceedance_rate', True)} | {statistics.median(r['wall_s'] for r in runs):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def render_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
+    if not results:
+        raise ValueError("no results to report")
+    r0 = results[0]
+    m, d, t = r0["config"]["model"], r0["config"]["data"], r0["config"]["train"]
+    head = (
+        f"Model: LLaMA, hidden {m['hidden_size']}, {m['num_hidden_layers']} layers ({r0['num_units']} units), low path "
+        f"{r0.get('low', 'act')}; {t['max_steps']} steps x {t['batch_size'] * t['gradient_accumulation_steps']} sequences "
+        f"x {d['seq_len']} tokens, lr {t['learning_rate']}; max_active {r0['max_active']}; validation loss per token "
+        f"on {r0['data']['val_blocks']} x {d['seq_len']} tokens, on the path in effect. Spike: training loss above "
+        f"{spike_factor} x its running minimum."
+    )
+    return head + "\n\n" + table_seeds(results, spike_factor) + "\n"
+
+
+def plot_seeds(results: list[dict], path: str | Path) -> None:
+    """Median validation loss per method against the step, with the min-max band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for runs in _by_method(results).values():
+        steps = sorted(set.intersection(*(set(s for s, _ in r["curve"]) for r in runs)))
+        per_step = [[dict(r["curve"])[s] for r in runs] for s in steps]
+        line, = ax.plot(steps, [statistics.median(v) for v in per_step], marker="o", ms=2.5, lw=1.2,
+                        label=f"{_label(runs[0])} ({len(runs)} seeds)")
+        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss per token")
+    ax.set_title("Stress bench: median and min-max over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot(results: list[dict], path: str | Path) -> None:
     """Validation loss per method against the optimizer step."""
     import matplotlib
@@ -156,17 +284,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("runs", nargs="+", help="run folders, or folders holding run folders")
     p.add_argument("--out", help="write the Markdown here as well as to stdout")
     p.add_argument("--plot", help="PNG of the validation loss per method")
+    p.add_argument("--seeds", action="store_true", help="one row per method over several seeds (runs found recursively)")
+    p.add_argument("--spike-factor", type=float, default=1.2,
+                   help="with --seeds: a spike is a training loss above this factor x its running minimum (default 1.2)")
     a = p.parse_args(argv)
     dirs: list[Path] = []
     for d in map(Path, a.runs):
-        dirs.extend([d] if (d / "result.json").is_file() else sorted(x.parent for x in d.glob("*/result.json")))
+        found = d.rglob("result.json") if a.seeds else d.glob("*/result.json")
+        dirs.extend([d] if (d / "result.json").is_file() else sorted(x.parent for x in found))
+    if not dirs:
+        p.error(f"no result.json under {', '.join(a.runs)}")
     results = [load_result(d) for d in dirs]
-    md = render(results)
+    md = render_seeds(results, a.spike_factor) if a.seeds else render(results)
     print(md)
     if a.out:
         Path(a.out).write_text(md)
     if a.plot:
-        plot(results, a.plot)
+        (plot_seeds if a.seeds else plot)(results, a.plot)
 
 
 if __name__ == "__main__":
