@@ -208,7 +208,11 @@ def test_stress_mx_seeds_report_and_plot(mx_runs, tmp_path):
         assert f"{loss:.4f} [{loss:.4f}, {loss:.4f}]" in rows[label]  # one seed: median = min = max
     gnmr_summary = mx_runs["gnmr"][0]["policy_summary"]
     assert f"| {gnmr_summary['promotion_ratio']:.3f} |" in rows["GNMR+Δ"]
-    assert rows["BF16"].split(" | ")[5] == "–"  # no promotion ratio for a method that never switches
+    bf16_row = rows["BF16"].split(" | ")
+    assert bf16_row[5] == bf16_row[6] == "–"  # no difference from itself, no promotion ratio (never switches)
+    fixed_loss, bf16_loss = mx_runs["fixed"][0]["final_eval_loss"], mx_runs["bf16"][0]["final_eval_loss"]
+    d = fixed_loss - bf16_loss
+    assert rows["mxfp4_e2m1"].split(" | ")[5] == f"{d:+.4f} [{d:+.4f}, {d:+.4f}]"
     png = tmp_path / "seeds.png"
     report.plot_seeds(results, png)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -232,7 +236,7 @@ def test_mx_seeds_table_counts_spikes_and_divergence(tmp_path):
             "method": method, "low": "mxfp4_e2m1", "final_eval_loss": final, "wall_s": 10.0 * (seed + 1),
             "run_dir": f"s{seed}/{method}", "monitor_only": method == "fixed",
             "train_curve": list(enumerate(losses, start=1)),
-            "config": {"train": {"max_steps": len(losses)}},
+            "config": {"train": {"max_steps": len(losses), "seed": seed}},
             "policy_summary": {"promotion_ratio": 0.25, "hit_max_rate": 0.5, "gnmr_exceedance_rate": 0.1,
                                "delta_exceedance_rate": 0.2},
         }
@@ -246,7 +250,7 @@ def test_mx_seeds_table_counts_spikes_and_divergence(tmp_path):
     # non-finite: diverged, and a spike
     nan_run = [5.0, 4.0, float("nan"), 4.0]
     runs = [fake("fixed", one_spike, 3.5, 0), fake("fixed", two_spikes, 3.3, 1), fake("fixed", nan_run, 9.0, 2),
-            fake("gnmr", calm, 3.0, 0), fake("gnmr", calm, 3.2, 1)]
+            fake("gnmr", calm, 3.0, 0), fake("gnmr", calm, 3.2, 1), fake("bf16", calm, 3.1, 0), fake("bf16", calm, 3.0, 1)]
     assert report.instability(runs[0], 1.2) == (1, False)
     assert report.instability(runs[1], 1.2) == (2, False)
     assert report.instability(runs[2], 1.2) == (1, True)
@@ -258,9 +262,12 @@ def test_mx_seeds_table_counts_spikes_and_divergence(tmp_path):
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:]}
     fixed, gnmr = rows["mxfp4_e2m1"], rows["GNMR+Δ"]
     assert fixed[1:5] == ["3", "3 (4)", "1", "3.5000 [3.3000, 9.0000]"]
-    assert fixed[5] == "–" and fixed[-1] == "20 |"  # median wall of 10, 20, 30
+    # paired with BF16 of the same seed: 3.5 - 3.1 and 3.3 - 3.0 (seed 2 has no BF16 run)
+    assert fixed[5] == "+0.3500 [+0.3000, +0.4000]"
+    assert fixed[6] == "–" and fixed[-1] == "20 |"  # median wall of 10, 20, 30
     assert gnmr[1:5] == ["2", "0 (0)", "0", "3.1000 [3.0000, 3.2000]"]
-    assert gnmr[5:9] == ["0.250", "0.500", "10.0%", "20.0%"]
+    assert gnmr[5] == "+0.0500 [-0.1000, +0.2000]"  # 3.0 - 3.1 and 3.2 - 3.0
+    assert gnmr[6:10] == ["0.250", "0.500", "10.0%", "20.0%"]
     # a run logged every 10 steps cannot be checked for spikes: a clear error, not a silent 0
     sparse = fake("gnmr", calm, 3.0, 0)
     sparse["train_curve"] = [(2, 4.0), (4, 3.2)]

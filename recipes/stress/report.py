@@ -13,7 +13,7 @@ and draws the validation loss per method against the optimizer step (PNG).
 
 With ``--seeds`` (several seeds per method, e.g. the MX bench of ``bench/mx_llama_bench.sh``) it prints
 one row per method instead: runs with spikes, divergences, final validation loss (median [min, max]),
-promotion ratio, hit-maxO rate, exceedance rates and wall time (medians over seeds), and plots the
+its difference from BF16's on the same seed (median [min, max]; same initial weights and data order), promotion ratio, hit-maxO rate, exceedance rates and wall time (medians over seeds), and plots the
 median validation curve per method with its min-max band. A spike is a maximal run of steps whose
 training loss is non-finite or above ``--spike-factor`` times the running minimum of the earlier
 steps' losses; a run diverged when a loss is non-finite or the mean of its last 20 losses is above
@@ -193,11 +193,18 @@ def _median_range(values: list[float], spec: str = ".4f") -> str:
 def table_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
     """One row per method over its seeds: instability, final validation loss, the trigger's statistics."""
     lines = [
-        "| method | seeds | runs with spikes (spikes) | diverged | final val. loss, median [min, max] | promotion ratio | "
-        "hit-maxO | GNMR ≥ α | Δ ≥ β | wall (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | seeds | runs with spikes (spikes) | diverged | final val. loss, median [min, max] | − BF16, same seed | "
+        "promotion ratio | hit-maxO | GNMR ≥ α | Δ ≥ β | wall (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for method, runs in _by_method(results).items():
+    groups = _by_method(results)
+    # the paired difference against BF16 on the same seed (same initial weights and data order)
+    bf16 = {r["config"]["train"]["seed"]: r["final_eval_loss"] for r in groups.get("bf16", [])}
+    for method, runs in groups.items():
+        paired = [r["final_eval_loss"] - bf16[r["config"]["train"]["seed"]] for r in runs
+                  if method != "bf16" and r["config"]["train"]["seed"] in bf16]
+        paired_cell = (f"{statistics.median(paired):+.4f} [{min(paired):+.4f}, {max(paired):+.4f}]"
+                       if paired else "–")
         inst = [instability(r, spike_factor) for r in runs]
         spiky = sum(1 for n, _ in inst if n)
         summaries = [r["policy_summary"] for r in runs if r.get("policy_summary")]
@@ -212,7 +219,8 @@ def table_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
 
         lines.append(
             f"| {_label(runs[0])} | {len(runs)} | {spiky} ({sum(n for n, _ in inst)}) | {sum(d for _, d in inst)} | "
-            f"{_median_range([r['final_eval_loss'] for r in runs])} | {'–' if monitor else med('promotion_ratio')} | "
+            f"{_median_range([r['final_eval_loss'] for r in runs])} | {paired_cell} | "
+            f"{'–' if monitor else med('promotion_ratio')} | "
             f"{'–' if monitor else med('hit_max_rate')} | {med('gnmr_exceedance_rate', True)} | "
             f"{med('delta_exceedance_rate', True)} | {statistics.median(r['wall_s'] for r in runs):.0f} |"
         )
