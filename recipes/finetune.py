@@ -87,6 +87,9 @@ class ScriptArguments:
             fields; the loss covers the response only.
         chat_template (`bool`): wrap the prompt as a user turn with the tokenizer's chat template.
         max_seq_len (`int`): tokens per example (prompt + response), truncated beyond.
+        compute_dtype (`str`): ``bfloat16`` (the paper's setting), ``float32`` or ``float16``: the dtype the
+            model is loaded and computed in (unquantised weights, 4-bit compute dtype, recovery path).
+            On CPUs without BF16 matrix units a float32 step is several times faster.
     """
 
     model: str = field(default=SMOLLM2, metadata={"help": "local folder, hub id, or smollm2-135m-instruct"})
@@ -105,6 +108,10 @@ class ScriptArguments:
     response_template: str = field(default=" {answer}", metadata={"help": "str.format template (the loss)"})
     chat_template: bool = field(default=False, metadata={"help": "prompt as a chat user turn"})
     max_seq_len: int = field(default=512, metadata={"help": "tokens per example"})
+    compute_dtype: Literal["bfloat16", "float32", "float16"] = field(
+        default="bfloat16", metadata={"help": "dtype the model is loaded and computed in: the unquantised weights, "
+                                              "the 4-bit compute dtype and the recovery path (float32 is several "
+                                              "times faster on CPUs without BF16 matrix units)"})
 
     def __post_init__(self) -> None:
         for name in ("num_generated", "max_seq_len"):
@@ -385,15 +392,15 @@ def quantization_config(script: ScriptArguments, compute_dtype=None):
 def load_model(recipe: Recipe, model_path: str, dtype=None):
     """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``).
 
-    ``dtype`` (default BF16) is the dtype the model is loaded and computed in: the unquantised weights,
-    the 4-bit compute dtype and the recovery weights (bench/nf4_bench.py uses FP32 on CPUs without BF16
-    matrix instructions).
+    ``dtype`` (default ``recipe.script.compute_dtype``, BF16 unless set) is the dtype the model is loaded and
+    computed in: the unquantised weights, the 4-bit compute dtype and the recovery weights
+    (bench/nf4_bench.py uses FP32 on CPUs without BF16 matrix instructions).
     """
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or torch.bfloat16
+    dtype = dtype or getattr(torch, recipe.script.compute_dtype)
 
     # under DDP on GPUs each process holds a whole replica on its own device
     device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None

@@ -72,12 +72,14 @@ def test_demo_runs_from_the_wheel_outside_the_repository(installed, tmp_path, sm
     out = tmp_path / "demo"
     cmd = [sys.executable, str(script), "demo", "--out", str(out), "--low", "nf4", "--precisions", "nf4",
            "--max-steps", "2", "--tasks", "none", "--threads", "1", "--set", "num_generated=8",
-           "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=48"]
+           "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=48",
+           "--set", "compute_dtype=float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(installed), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert str(installed / "gnmr_hf" / "recipes" / "finetune.py") in proc.stdout
     record = json.loads((out / "nf4" / "run.json").read_text())
     assert record["global_step"] == 2 and record["config"]["script"]["precision"] == "nf4"
+    assert record["config"]["script"]["compute_dtype"] == "float32"
     assert record["config_file"] == str(installed / "gnmr_hf" / "recipes" / "smollm2-135m" / "nf4.yaml")
     assert record["versions"]["gnmr_hf"] == "0.1.0"
     rows = json.loads((out / "summary_nf4.json").read_text())

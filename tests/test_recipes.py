@@ -204,6 +204,43 @@ def test_nf4_model_is_stock_qlora(ft, tiny_llama_dir, tmp_path):
     assert all(float(g.abs().sum()) > 0 for g in grads)
 
 
+@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4", "bf16"])
+def test_compute_dtype_sets_weights_4bit_compute_and_recovery(ft, tiny_llama_dir, tmp_path, precision):
+    """compute_dtype float32: the unquantised weights, the 4-bit compute dtype and the recovery path are
+    float32 (the shipped recipes keep bfloat16); an unknown dtype is a one-line error."""
+    import torch
+
+    from gnmr_hf.backends.base import DualPathModule
+
+    args = ["--config", str(RECIPES / "smollm2-135m" / f"{precision}.yaml"), "--output_dir", str(tmp_path)]
+    shipped = ft.load_config(args)
+    assert shipped.script.compute_dtype == "bfloat16"
+    cfg = ft.load_config([*args, "--compute_dtype", "float32"])
+    assert cfg.script.compute_dtype == "float32"
+    model = ft.load_model(cfg, str(tiny_llama_dir))
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    if precision != "bf16":
+        duals = [m for m in model.modules() if isinstance(m, DualPathModule)]
+        assert duals and all(m._gnmr_source.dtype == torch.float32 for m in duals)  # the recovery weights
+        if precision == "gnmr-nf4":
+            import bitsandbytes as bnb
+
+            four = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            assert four and all(m.compute_dtype == torch.float32 for m in four)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    bf16 = ft.load_model(shipped, str(tiny_llama_dir))
+    assert bf16.get_input_embeddings().weight.dtype == torch.bfloat16
+
+
+def test_compute_dtype_unknown_value_is_a_clear_error(ft, capsys):
+    code = ft.main(["--config", str(RECIPES / "smollm2-135m" / "gnmr.yaml"), "--compute_dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "fp8" in err and "float32" in err and err.count("\n") == 1
+
+
 @pytest.mark.slow
 def test_dataset_without_template_fields(ft, tmp_path, capsys, smollm2_dir):
     data = tmp_path / "qa.jsonl"

@@ -2,7 +2,9 @@
 precisions on one process, gnmr and gnmr-nf4 as two-process gloo DDP, the demo with --low nf4, and the
 dry run of bench/gpu_13b_shape.py.
 
-Runs are shortened with overrides (3 steps, 16 problems, batch 2, 64 tokens); each subprocess gets one
+Runs are shortened with overrides (3 steps, 16 problems, batch 2, 64 tokens) and compute in float32
+(``--compute_dtype float32``: several times faster than BF16 on CPUs without BF16 matrix units); one run,
+``test_smollm2_recipe_as_shipped_computes_in_bf16``, keeps the recipes' BF16. Each subprocess gets one
 OpenMP thread, which on a busy 2-core machine is several times faster than two competing ones.
 """
 
@@ -19,7 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-SHORT = ["--max_steps", "3", "--num_generated", "16", "--per_device_train_batch_size", "2", "--max_seq_len", "64"]
+SHORT = ["--max_steps", "3", "--num_generated", "16", "--per_device_train_batch_size", "2", "--max_seq_len", "64",
+         "--compute_dtype", "float32"]
 RUN_FIELDS = {"status", "config", "config_file", "model_path", "versions", "device", "world_size",
               "num_train_examples", "global_step", "wall_time_s", "train_runtime_s", "final_loss", "first_loss",
               "mean_train_loss", "peak_memory_bytes", "peak_memory_kind", "gnmr_summary"}
@@ -82,7 +85,7 @@ def test_smollm2_recipe_three_steps(runs, precision, smollm2_dir):
     assert record["status"] == "complete" and record["global_step"] == 3 and record["world_size"] == 1
     assert record["config"]["script"]["precision"] == precision and record["config"]["training"]["max_steps"] == 3
     assert record["config_file"] == str(RECIPES / "smollm2-135m" / f"{precision}.yaml")
-    assert record["num_train_examples"] == 16
+    assert record["num_train_examples"] == 16 and record["config"]["script"]["compute_dtype"] == "float32"
     assert record["versions"]["torch"] and record["versions"]["peft"]
     assert record["peak_memory_kind"] == "peak RSS (CPU)"
     losses = _losses(out)
@@ -123,6 +126,28 @@ def test_smollm2_recipe_three_steps(runs, precision, smollm2_dir):
         assert not (out / "gnmr_trace.jsonl").exists() and record["gnmr_summary"] is None
 
 
+@pytest.mark.slow
+def test_smollm2_recipe_as_shipped_computes_in_bf16(runs, tmp_path):
+    """The gnmr recipe with its own dtype (BF16 weights, BF16 recovery path): the precision the recipes ship
+    with, while the other runs here compute in float32 for speed."""
+    out = tmp_path / "gnmr-bf16"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(RECIPES / "accelerate" / "cpu.yaml"),
+           str(RECIPES / "finetune.py"), "--config", str(RECIPES / "smollm2-135m" / "gnmr.yaml"),
+           "--output_dir", str(out), "--data_dir", str(tmp_path / "data"), *SHORT[:-2]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "complete" and record["global_step"] == 3
+    assert record["config"]["script"]["compute_dtype"] == "bfloat16"
+    losses = _losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    lines = _trace(out)
+    assert [x["step"] for x in lines] == [1, 2, 3] and all(len(x["gnmr"]) == LAYERS for x in lines)
+    # the same batch and LoRA start as the float32 run: a close but different first loss (BF16 rounding)
+    first_fp32 = _losses(runs["gnmr"])[0]
+    assert losses[0] != first_fp32 and losses[0] == pytest.approx(first_fp32, rel=0.05)
+
+
 def _same_until_promoted(gnmr_run: Path, low_run: Path) -> int:
     """Check that a GNMR run's losses equal its fixed low path's up to the first step that ran a layer on
     BF16, and differ at that step; returns that step (0 if nothing was promoted)."""
@@ -149,7 +174,8 @@ def test_gnmr_run_is_its_low_path_until_a_layer_is_promoted(runs, low):
 @pytest.mark.slow
 def test_first_step_losses_across_precisions(runs):
     """Step 1 sees the same batch everywhere with lora_B = 0: the quantised bases move its loss away from
-    BF16's, INT8 by little and NF4 by much more (measured: 2.188 and 2.806 against 2.192)."""
+    BF16's, INT8 by little and NF4 by much more (measured with BF16 compute: 2.188 and 2.806 against
+    2.192; the runs here compute in float32)."""
     first = {p: _losses(runs[p])[0] for p in ("bf16", "int8", "nf4")}
     assert all(math.isfinite(x) for x in first.values())
     assert first["int8"] != first["bf16"] and first["int8"] == pytest.approx(first["bf16"], rel=0.05)
@@ -232,7 +258,8 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     # the installed console script, next to this interpreter
     cmd = [str(Path(sys.executable).parent / "gnmr-hf"), "demo", "--out", str(out), "--low", "nf4", "--precisions",
            "gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
-           "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64"]
+           "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64",
+           "--set", "compute_dtype=float32"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     rows = json.loads((out / "summary_nf4.json").read_text())
