@@ -133,11 +133,16 @@ def table_matched(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def render(results: list[dict]) -> str:
+def _setting(results: list[dict]) -> tuple[dict, dict, dict, dict]:
+    """The first run and its model, data and train config sections."""
     if not results:
         raise ValueError("no results to report")
     r0 = results[0]
-    m, d, t = r0["config"]["model"], r0["config"]["data"], r0["config"]["train"]
+    return r0, r0["config"]["model"], r0["config"]["data"], r0["config"]["train"]
+
+
+def render(results: list[dict]) -> str:
+    r0, m, d, t = _setting(results)
     head = (
         f"Model: LLaMA, hidden {m['hidden_size']}, intermediate {m['intermediate_size']}, {m['num_attention_heads']} heads, "
         f"{m['num_hidden_layers']} layers ({r0['num_units']} projection units), vocab {r0['data']['vocab_size']}, "
@@ -228,10 +233,7 @@ def table_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
 
 
 def render_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
-    if not results:
-        raise ValueError("no results to report")
-    r0 = results[0]
-    m, d, t = r0["config"]["model"], r0["config"]["data"], r0["config"]["train"]
+    r0, m, d, t = _setting(results)
     head = (
         f"Model: LLaMA, hidden {m['hidden_size']}, {m['num_hidden_layers']} layers ({r0['num_units']} units), low path "
         f"{r0.get('low', 'act')}; {t['max_steps']} steps x {t['batch_size'] * t['gradient_accumulation_steps']} sequences "
@@ -244,21 +246,31 @@ def render_seeds(results: list[dict], spike_factor: float = 1.2) -> str:
 
 def plot_seeds(results: list[dict], path: str | Path) -> None:
     """Median validation loss per method against the step, with the min-max band over seeds."""
+
+    def draw(ax) -> None:
+        for runs in _by_method(results).values():
+            steps = sorted(set.intersection(*(set(s for s, _ in r["curve"]) for r in runs)))
+            per_step = [[dict(r["curve"])[s] for r in runs] for s in steps]
+            line, = ax.plot(steps, [statistics.median(v) for v in per_step], marker="o", ms=2.5, lw=1.2,
+                            label=f"{_label(runs[0])} ({len(runs)} seeds)")
+            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
+                            alpha=0.15)
+
+    _loss_figure(draw, path, "validation loss per token", "Stress bench: median and min-max over seeds")
+
+
+def _loss_figure(draw, path: str | Path, ylabel: str, title: str) -> None:
+    """A loss-against-step PNG: ``draw(ax)`` adds the lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for runs in _by_method(results).values():
-        steps = sorted(set.intersection(*(set(s for s, _ in r["curve"]) for r in runs)))
-        per_step = [[dict(r["curve"])[s] for r in runs] for s in steps]
-        line, = ax.plot(steps, [statistics.median(v) for v in per_step], marker="o", ms=2.5, lw=1.2,
-                        label=f"{_label(runs[0])} ({len(runs)} seeds)")
-        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.15)
+    draw(ax)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss per token")
-    ax.set_title("Stress bench: median and min-max over seeds")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -268,23 +280,13 @@ def plot_seeds(results: list[dict], path: str | Path) -> None:
 
 def plot(results: list[dict], path: str | Path) -> None:
     """Validation loss per method against the optimizer step."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(ax) -> None:
+        for r in _sorted(results):
+            steps, losses = zip(*r["curve"])
+            ax.plot(steps, losses, marker="o", ms=2.5, lw=1.2, label=LABELS.get(r["method"], r["method"]))
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for r in _sorted(results):
-        steps, losses = zip(*r["curve"])
-        ax.plot(steps, losses, marker="o", ms=2.5, lw=1.2, label=LABELS.get(r["method"], r["method"]))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Saved-activation quantisation stress bench")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _loss_figure(draw, path, "validation loss", "Saved-activation quantisation stress bench")
 
 
 def main(argv: list[str] | None = None) -> None:
