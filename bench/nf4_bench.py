@@ -192,7 +192,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     data_dir = Path(args.data_dir) if args.data_dir else out.parent.parent / "data"
     recipe = finetune.load_config(["--config", str(RECIPE), "--output_dir", str(out), "--seed", str(args.seed),
                                    "--max_steps", str(args.steps), "--data_dir", str(data_dir),
-                                   "--report_to", "none", "--disable_tqdm", "true"])
+                                   "--report_to", "none", "--disable_tqdm", "true",
+                                   "--compute_dtype", args.compute_dtype])
     script, training = recipe.script, recipe.training
     set_seed(args.seed)
     model_path = finetune.resolve_model_path(script.model)
@@ -204,7 +205,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     # runs about 12x slower (bench/nf4_step.py); the NF4 path then de-quantises to FP32 and the recovery
     # path holds the checkpoint's BF16 weights upcast to FP32 (the same values): the paths differ in the
     # weights alone
-    model = finetune.load_model(recipe, model_path, getattr(torch, args.compute_dtype))
+    model = finetune.load_model(recipe, model_path)
     units = resolve_units(model)
     U = len(units)
 

@@ -1,10 +1,10 @@
 """Forward and backward time of one SmolLM2-135M LoRA step on the NF4 dual-path model, per compute dtype.
 
 Why ``bench/nf4_bench.py`` computes in FP32 on a CPU: on one without BF16 matrix instructions a BF16
-step is an order of magnitude slower. Loads the ``gnmr-nf4`` recipe's model (NF4 base, a recovery
-path per decoder layer, LoRA r=8 on the seven projections) with ``bnb_4bit_compute_dtype`` and the
-recovery weights in ``--dtype``, then times forward and backward of a batch of 4 x 110 random tokens
-with every layer on NF4 and with every layer on BF16::
+step is an order of magnitude slower. Loads the ``gnmr-nf4`` recipe's model through
+``recipes/finetune.py`` (NF4 base, a recovery path per decoder layer, LoRA r=8 on the seven
+projections) with ``compute_dtype`` = ``--dtype``, then times forward and backward of a batch of
+4 x 110 random tokens with every layer on NF4 and with every layer on BF16::
 
     OMP_NUM_THREADS=1 python bench/nf4_step.py --dtype float32
     OMP_NUM_THREADS=1 python bench/nf4_step.py --dtype bfloat16
@@ -13,9 +13,13 @@ with every layer on NF4 and with every layer on BF16::
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -25,21 +29,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    import peft
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import finetune
 
-    import gnmr_hf
     from gnmr_hf.backends.base import set_active_units
     from gnmr_hf.units import resolve_units
 
-    dtype = getattr(torch, args.dtype)
-    path = str(gnmr_hf.smollm2_checkpoint())
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant)
-    model = gnmr_hf.prepare_dual_path(model, recovery_source=path, storage="host", dtype=dtype)
-    model = peft.get_peft_model(model, peft.LoraConfig(
-        r=8, lora_alpha=16, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    recipe = finetune.load_config(["--config", str(ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"),
+                                   "--compute_dtype", args.dtype])
+    model = finetune.load_model(recipe, finetune.resolve_model_path(recipe.script.model))
+    model.eval()  # no LoRA dropout in the timed passes
     units = resolve_units(model)
     x = torch.randint(0, 1000, (4, 110), generator=torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, compute {args.dtype}, {torch.get_num_threads()} thread(s)")

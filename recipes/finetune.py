@@ -370,9 +370,9 @@ def resolve_model_path(name: str) -> str:
         raise RecipeError(f"model {name!r} not found: not a folder, and the hub gave {type(e).__name__}: {e}") from None
 
 
-def quantization_config(script: ScriptArguments, compute_dtype=None):
-    """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in ``compute_dtype``
-    (BF16 by default)."""
+def quantization_config(script: ScriptArguments):
+    """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in
+    ``script.compute_dtype``."""
     if script.precision == "bf16":
         return None
     import torch
@@ -385,28 +385,28 @@ def quantization_config(script: ScriptArguments, compute_dtype=None):
     if script.precision in INT8_PRECISIONS:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                              bnb_4bit_compute_dtype=compute_dtype or torch.bfloat16,
+                              bnb_4bit_compute_dtype=getattr(torch, script.compute_dtype),
                               bnb_4bit_use_double_quant=script.bnb_4bit_use_double_quant)
 
 
-def load_model(recipe: Recipe, model_path: str, dtype=None):
+def load_model(recipe: Recipe, model_path: str):
     """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``).
 
-    ``dtype`` (default ``recipe.script.compute_dtype``, BF16 unless set) is the dtype the model is loaded and
-    computed in: the unquantised weights, the 4-bit compute dtype and the recovery weights
-    (bench/nf4_bench.py uses FP32 on CPUs without BF16 matrix instructions).
+    ``recipe.script.compute_dtype`` is the dtype the model is loaded and computed in: the unquantised
+    weights, the 4-bit compute dtype and the recovery weights (bench/nf4_bench.py uses FP32 on CPUs
+    without BF16 matrix instructions).
     """
     import peft
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or getattr(torch, recipe.script.compute_dtype)
+    dtype = getattr(torch, recipe.script.compute_dtype)
 
     # under DDP on GPUs each process holds a whole replica on its own device
     device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device_map,
-                                                     quantization_config=quantization_config(recipe.script, dtype))
+                                                     quantization_config=quantization_config(recipe.script))
     except OSError as e:
         raise RecipeError(f"could not load the model from {model_path}: {e}") from None
     if recipe.script.precision in GNMR_PRECISIONS:
