@@ -1,4 +1,5 @@
-"""The GNMR controller core: risk scores, budgeted top-``max_active`` selection and lock counters.
+"""The GNMR controller core: risk scores, budgeted top-``max_active`` selection (optionally under a byte
+budget too) and lock counters.
 
 Pure: torch and NumPy only (no transformers, peft or bitsandbytes import). The rules are those
 of docs/design.md; where the paper is vague, that document decides, and the few cases it leaves
@@ -32,6 +33,14 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
         raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_int_or_none(name: str, value: Any, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum} or None, got {value!r}")
     return int(value)
 
 
@@ -72,6 +81,13 @@ class GNMRConfig:
             High-fidelity warm-up: the first ``full_recovery_steps`` steps run every recoverable unit on
             the recovery path regardless of ``max_active``; statistics and lock counters evolve as if
             there were no warm-up.
+        max_active_bytes (`int` or `None`, defaults to `None`):
+            A byte budget beside the count cap: the units on the recovery path at one step (outside the
+            warm-up) hold at most this many recovery bytes, each unit's bytes given to the controller as
+            ``unit_bytes``. The candidates are taken in rank order (R descending, ties to the lower
+            index), a unit whose bytes would overflow the budget is skipped (a smaller one further down
+            may still fit), and never more than ``max_active`` are taken. None means no byte budget (the
+            paper's count-only selection, unchanged).
     """
 
     max_active: int = 10
@@ -83,6 +99,7 @@ class GNMRConfig:
     window: int = 5
     init_steps: int = 0
     full_recovery_steps: int = 0
+    max_active_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.max_active = _check_int("max_active", self.max_active, 0)
@@ -94,6 +111,7 @@ class GNMRConfig:
         self.window = _check_int("window", self.window, 1)
         self.init_steps = _check_int("init_steps", self.init_steps, 0)
         self.full_recovery_steps = _check_int("full_recovery_steps", self.full_recovery_steps, 0)
+        self.max_active_bytes = _check_int_or_none("max_active_bytes", self.max_active_bytes, 0)
 
     def thresholds(self, t: int) -> tuple[float, float]:
         """Return ``(alpha_t, beta_t)`` for step ``t`` (1-based)."""
@@ -104,12 +122,21 @@ class GNMRConfig:
         return self.alpha, self.beta
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a JSON-safe dict (ints, floats and None)."""
-        return asdict(self)
+        """Return the fields as a JSON-safe dict (ints, floats and None).
+
+        ``max_active_bytes`` appears only when it is set: a config without a byte budget writes the
+        same dict (and a controller the same state) as before the field existed, and a reader that
+        does not know the field refuses a config whose byte budget it could not honour.
+        """
+        data = asdict(self)
+        if data["max_active_bytes"] is None:
+            del data["max_active_bytes"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GNMRConfig:
-        """Build a config from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
+        """Build a config from :meth:`to_dict` output; unknown keys raise ``ValueError``, missing ones
+        take their defaults (so dicts written before ``max_active_bytes`` existed load)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -173,6 +200,24 @@ def unit_mask(units: Any, num_units: int, name: str = "recoverable") -> torch.Te
     return mask
 
 
+def _check_unit_bytes(unit_bytes: Any, num_units: int) -> tuple[int, ...]:
+    """Each unit's recovery bytes as a tuple of U Python ints >= 0 (``ValueError`` naming ``unit_bytes``)."""
+    if isinstance(unit_bytes, (torch.Tensor, np.ndarray)):
+        if unit_bytes.ndim != 1:
+            raise ValueError(f"unit_bytes must be 1-D (one entry per unit), got shape {tuple(unit_bytes.shape)}")
+        values = unit_bytes.tolist()
+    elif isinstance(unit_bytes, (str, bytes, Mapping)) or not isinstance(unit_bytes, Iterable):
+        raise ValueError(f"unit_bytes must be a sequence of {num_units} integers >= 0, got {unit_bytes!r}")
+    else:
+        values = list(unit_bytes)
+    if len(values) != num_units:
+        raise ValueError(f"unit_bytes must have one entry per unit (num_units={num_units}), got {len(values)}")
+    for b, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"unit_bytes must be integers >= 0, got unit_bytes[{b}] = {v!r}")
+    return tuple(int(v) for v in values)
+
+
 class GNMRController:
     """Budgeted, lock-stabilised selection of the riskiest units from their gradient norms.
 
@@ -195,15 +240,21 @@ class GNMRController:
       threshold exceedances; the ``nonfinite`` counts report such steps.
     * Candidates C_t = (risky or lock > 0) and recoverable. The selection is the top ``max_active``
       of C_t by R_t, ties to the lower index.
+    * With a byte budget B (``config.max_active_bytes``): walk C_t in that same rank order, skip a
+      unit whose ``unit_bytes`` would take the running total over B, and stop at ``max_active``
+      units. A greedy walk, not the best packing: the rank decides, the bytes only veto. With
+      ``max_active_bytes = None`` the selection is the count-only one above, unit for unit.
     * Locks: a unit selected and risky gets lock = ``lock_steps``; any other unit with lock > 0
-      loses 1.
+      loses 1. A candidate skipped for its bytes is not selected, so its lock decays.
 
     Masks and the warm-up: :meth:`initial_mask` is the mask for step 1 (every recoverable unit if
     ``full_recovery_steps > 0``, else none). ``step`` at step t returns the mask for step t + 1: every
     recoverable unit if t + 1 <= ``full_recovery_steps``, else the budgeted selection. The selection
     and the locks are computed at every step, warm-up or not, so after the warm-up the controller is
     exactly where it would be without one. With ``full_recovery_steps = F`` the masks for steps 1..F
-    are all-recoverable and step(F) returns the first budgeted mask (for step F + 1).
+    are all-recoverable and step(F) returns the first budgeted mask (for step F + 1). The warm-up
+    ignores the byte budget as it ignores ``max_active`` (the paper's high-fidelity warm-up): its masks
+    may hold more than ``max_active_bytes``.
 
     Args:
         num_units (`int`):
@@ -213,6 +264,10 @@ class GNMRController:
         recoverable (*optional*):
             Which units have a recovery path: None (all), a bool mask of length U, or an iterable of
             unit indices. Monitored-only units get statistics but are never selected.
+        unit_bytes (*optional*):
+            Each unit's recovery bytes: a sequence (or 1-D integer tensor) of U integers >= 0, e.g. the
+            device bytes its recovery weights take. Required when ``config.max_active_bytes`` is set;
+            without a byte budget it only adds the byte figures to the records and the summary.
 
     Attributes:
         num_units (`int`): U.
@@ -220,6 +275,7 @@ class GNMRController:
         t (`int`): number of steps taken.
         active (`torch.BoolTensor` [U]): the mask in effect for the next step (step t + 1).
         recoverable (`torch.BoolTensor` [U]): units with a recovery path.
+        unit_bytes (`tuple[int, ...]` or `None`): each unit's recovery bytes, as given.
         last_record (`dict` or `None`): the per-step record of the last step (see :attr:`last_record`).
         locks (`torch.LongTensor` [U]): the lock counters L_b (a copy).
     """
@@ -229,6 +285,7 @@ class GNMRController:
         num_units: int,
         config: GNMRConfig | None = None,
         recoverable: torch.Tensor | Iterable[int] | Iterable[bool] | None = None,
+        unit_bytes: torch.Tensor | Iterable[int] | None = None,
     ) -> None:
         if isinstance(num_units, bool) or not isinstance(num_units, numbers.Integral) or num_units < 1:
             raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}")
@@ -243,6 +300,14 @@ class GNMRController:
         )
         self._recoverable = self.recoverable.numpy().copy()
         self._num_recoverable = int(self._recoverable.sum())
+        self.unit_bytes = None if unit_bytes is None else _check_unit_bytes(unit_bytes, self.num_units)
+        if config.max_active_bytes is not None and self.unit_bytes is None:
+            raise ValueError(
+                f"GNMRConfig.max_active_bytes={config.max_active_bytes} needs unit_bytes "
+                "(each unit's recovery bytes): pass GNMRController(..., unit_bytes=...)"
+            )
+        self._bytes = None if self.unit_bytes is None else np.array(self.unit_bytes, dtype=np.int64)
+        self._budget_bytes = config.max_active_bytes
         # (alpha_t, beta_t) during and after the init phase, as floats (the record's values) and as
         # 0-d arrays (NumPy compares an array with a 0-d array faster than with a Python float);
         # t = 0 is always in the init phase. The config is read here once: step() uses these.
@@ -263,6 +328,7 @@ class GNMRController:
         self.t = 0
         self._active = self.initial_mask().numpy()
         self._n_active = int(self._active.sum())
+        self._active_bytes = self._bytes_of(self._active)
         # running sum / count of the finite norms: the historical mean needs nothing more
         self._norm_sum = np.zeros(U, dtype=np.float64)
         self._norm_count = np.zeros(U, dtype=np.float64)
@@ -280,6 +346,8 @@ class GNMRController:
         self._refresh_flags()
         # run totals (Python ints)
         self._totals = dict.fromkeys(_TOTAL_KEYS, 0)
+        # byte figures, kept apart so that a controller without unit_bytes writes the same state as before
+        self._byte_totals = dict.fromkeys(_BYTE_TOTAL_KEYS, 0)
         self._record_arrays: tuple | None = None
         self._record_cache: dict[str, Any] | None = None
 
@@ -292,6 +360,12 @@ class GNMRController:
         self._window_full = bool(np.all(self._gnmr_count >= self.config.window))
         # how many lock counters are non-zero: with none, a candidate is just a risky recoverable unit
         self._n_locked = int(np.count_nonzero(self._locked))
+
+    def _bytes_of(self, mask: np.ndarray) -> int | None:
+        """The recovery bytes of the units in ``mask`` (None without ``unit_bytes``)."""
+        if self._bytes is None:
+            return None
+        return int(self._bytes[mask].sum())
 
     def _lock_counters(self) -> np.ndarray:
         """The lock counters L_b as an int64 array [U] (do not modify)."""
@@ -402,6 +476,8 @@ class GNMRController:
             over_delta = int(np.count_nonzero(over_d))
             n_locked = self._n_locked
             U, K = self.num_units, self._max_active
+            budget = self._budget_bytes
+            hit_bytes = False  # the byte budget vetoed a candidate before the count cap filled
             risk = None
             # A lock is only ever set on a selected (so recoverable) unit: with no risky unit and no
             # lock there is no candidate, and the quiet step is done here.
@@ -417,14 +493,20 @@ class GNMRController:
                     cand = cand & self._recoverable
                 n_cand = int(np.count_nonzero(cand))
                 # top max_active candidates by R, ties to the lower index
-                if n_cand <= K:
+                if budget is not None and n_cand and K:
+                    if n_cand <= K and int(self._bytes[cand].sum()) <= budget:
+                        selected = cand  # every candidate fits, in count and in bytes
+                    else:
+                        risk = _risk(gnmr, delta, alpha, beta, nonfinite)
+                        selected, hit_bytes = _top_k_bytes(cand, risk, K, self.unit_bytes, budget)
+                elif n_cand <= K:
                     selected = cand
                 elif K == 0:
                     selected = np.zeros(U, dtype=bool)
                 else:
                     risk = _risk(gnmr, delta, alpha, beta, nonfinite)
                     selected = _top_k(cand, risk, K)
-        n_selected = min(n_cand, K)
+        n_selected = min(n_cand, K) if budget is None else int(np.count_nonzero(selected))
 
         # locks, from the budgeted selection even during the warm-up. Every locked unit is a
         # candidate, so with no candidate there is no lock to set or decay.
@@ -432,7 +514,7 @@ class GNMRController:
         if lock_steps and n_cand:
             # selected & risky; when every candidate is selected and every unit recoverable, that is
             # (risky | locked) & risky = risky
-            locked_now = risky if n_cand <= K and self._num_recoverable == U else selected & risky
+            locked_now = risky if n_selected == n_cand and self._num_recoverable == U else selected & risky
             if self._locks is None:  # lock_steps == 1: every other lock decays to 0
                 locked = locked_now
             else:
@@ -472,7 +554,8 @@ class GNMRController:
         n_old = self._n_active
         # |new| - |old| = promotions - demotions and |new ^ old| = promotions + demotions
         n_prom = (n_switch + n_new - n_old) // 2
-        hit_max = n_selected == K
+        # the budget bound: the count cap filled, or (with a byte budget) the bytes vetoed a candidate
+        hit_max = n_selected == K or hit_bytes
 
         tot = self._totals
         tot["gnmr_exceed"] += over_gnmr
@@ -482,14 +565,22 @@ class GNMRController:
         tot["promotions"] += n_prom
         tot["demotions"] += n_switch - n_prom
         tot["hit_max_steps"] += hit_max
+        new_bytes = None
+        if self._bytes is not None:
+            new_bytes = self._bytes_of(new)
+            bt = self._byte_totals
+            bt["active_bytes"] += self._active_bytes  # the mask in effect during step t, as above
+            bt["peak_active_bytes"] = max(bt["peak_active_bytes"], self._active_bytes)
+            bt["hit_bytes_steps"] += hit_bytes
 
         self.t = t
         self._active = new
         self._n_active = n_new
+        self._active_bytes = new_bytes
         # the record (and R, unless the cut needed it) is built on first access: step() stays cheap
         self._record_arrays = (
             t, new, old, selected, gnmr, delta, risk, nonfinite, warmup, alpha, beta,
-            over_gnmr, over_delta, n_cand, hit_max, n_nonfinite,
+            over_gnmr, over_delta, n_cand, hit_max, n_nonfinite, new_bytes, hit_bytes,
         )
         self._record_cache = None
         return torch.from_numpy(new.copy())
@@ -535,7 +626,12 @@ class GNMRController:
         ``selected`` (the budgeted top-``max_active`` set; equals ``active`` outside the warm-up),
         ``warmup`` (True when ``active`` is the full-recovery warm-up mask), ``over_gnmr`` /
         ``over_delta`` (units with GNMR >= alpha_t / Delta >= beta_t), ``candidates`` (|C_t|),
-        ``hit_max`` (|selected| == max_active), ``nonfinite`` (units with non-finite norm),
+        ``hit_max`` (the budget bound: |selected| == max_active, or with a byte budget also
+        ``hit_bytes``), ``hit_bytes`` (the byte budget skipped at least one candidate before
+        ``max_active`` units were taken; always False without one), ``active_bytes`` (the recovery
+        bytes of ``active``, which in the warm-up may exceed the budget; None without ``unit_bytes``),
+        ``budget_bytes`` (``max_active_bytes``, None without a byte budget), ``nonfinite`` (units
+        with non-finite norm),
         ``alpha_t``, ``beta_t``, and per-unit lists ``gnmr``, ``delta``, ``risk`` (floats; NaN
         for a non-finite norm's GNMR and Delta, +inf allowed; ``json.dumps`` writes them as
         NaN / Infinity).
@@ -544,7 +640,7 @@ class GNMRController:
             return None
         if self._record_cache is None:
             (t, new, old, selected, gnmr, delta, risk, nonfinite_mask, warmup, alpha_t, beta_t,
-             over_gnmr, over_delta, n_cand, hit_max, nonfinite) = self._record_arrays
+             over_gnmr, over_delta, n_cand, hit_max, nonfinite, active_bytes, hit_bytes) = self._record_arrays
             if risk is None:
                 with np.errstate(over="ignore"):
                     risk = _risk(gnmr, delta, alpha_t, beta_t, nonfinite_mask)
@@ -559,6 +655,9 @@ class GNMRController:
                 "over_delta": over_delta,
                 "candidates": n_cand,
                 "hit_max": hit_max,
+                "hit_bytes": hit_bytes,
+                "active_bytes": active_bytes,
+                "budget_bytes": self._budget_bytes,
                 "nonfinite": nonfinite,
                 "alpha_t": alpha_t,
                 "beta_t": beta_t,
@@ -574,15 +673,21 @@ class GNMRController:
         Keys: ``steps``; ``promotion_ratio`` = active unit-steps / recoverable unit-steps over the
         masks in effect during steps 1..t (the initial mask and the masks step() returned for steps
         2..t); ``mean_active`` = active unit-steps / t (the mean number of units on the recovery path
-        per step, what an equal-budget baseline matches); ``hit_max_rate`` = decisions whose budgeted selection filled ``max_active`` / steps;
+        per step, what an equal-budget baseline matches); ``hit_max_rate`` = decisions where the budget bound (the selection filled ``max_active``, or the
+        byte budget skipped a candidate) / steps;
         ``gnmr_exceedance_rate`` / ``delta_exceedance_rate`` = monitored unit-steps (U * t) with
         GNMR >= alpha_t / Delta >= beta_t (the paper's Table 3); ``switches`` = promotions +
         demotions decided so far (path changes between consecutive masks, steps 1 -> 2 .. t -> t+1);
         ``promotions``, ``demotions``; ``nonfinite`` = unit-steps with a non-finite norm.
+
+        With ``unit_bytes``, also: ``mean_active_bytes`` = recovery bytes of the masks in effect during
+        steps 1..t / t; ``peak_active_bytes`` = the largest of them (warm-up masks included);
+        ``hit_bytes_rate`` = decisions where the byte budget skipped a candidate / steps (these count in
+        ``hit_max_rate`` too).
         """
         tot, t, U = self._totals, self.t, self.num_units
         rec_unit_steps = t * self._num_recoverable
-        return {
+        out = {
             "steps": t,
             "promotion_ratio": tot["active_unit_steps"] / rec_unit_steps if rec_unit_steps else 0.0,
             "mean_active": tot["active_unit_steps"] / t if t else 0.0,
@@ -594,6 +699,12 @@ class GNMRController:
             "demotions": tot["demotions"],
             "nonfinite": tot["nonfinite"],
         }
+        if self._bytes is not None:
+            bt = self._byte_totals
+            out["mean_active_bytes"] = bt["active_bytes"] / t if t else 0.0
+            out["peak_active_bytes"] = bt["peak_active_bytes"]
+            out["hit_bytes_rate"] = bt["hit_bytes_steps"] / t if t else 0.0
+        return out
 
     # ------------------------------------------------------------------ state
 
@@ -615,13 +726,16 @@ class GNMRController:
             "gnmr_window": np.stack(self._gnmr_window, axis=1).tolist(),  # [U][W], oldest first
             "gnmr_count": self._gnmr_count.tolist(),
             "totals": dict(self._totals),
+            # only with unit_bytes: without them the state is the one written before they existed
+            **({} if self._bytes is None else {"unit_bytes": list(self.unit_bytes),
+                                                "byte_totals": dict(self._byte_totals)}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (possibly after a JSON round trip).
 
-        The state must come from a controller with the same ``num_units``, config and recoverable
-        units; otherwise ``ValueError`` says what differs (build a matching controller with
+        The state must come from a controller with the same ``num_units``, config, recoverable
+        units and ``unit_bytes``; otherwise ``ValueError`` says what differs (build a matching controller with
         :meth:`from_state_dict`).
         """
         if state.get("version") != _STATE_VERSION:
@@ -640,6 +754,18 @@ class GNMRController:
             raise ValueError("state was saved with a different GNMRConfig (" + "; ".join(diff) + ")")
         if list(state["recoverable"]) != self.recoverable.tolist():
             raise ValueError("state was saved with a different set of recoverable units")
+        saved_bytes = state.get("unit_bytes")
+        if (None if saved_bytes is None else [int(v) for v in saved_bytes]) != (
+            None if self.unit_bytes is None else list(self.unit_bytes)
+        ):
+            raise ValueError(
+                f"state was saved with unit_bytes={saved_bytes!r}, this controller has unit_bytes="
+                f"{None if self.unit_bytes is None else list(self.unit_bytes)!r}"
+            )
+        if saved_bytes is not None:
+            missing_bytes = set(_BYTE_TOTAL_KEYS) - set(state.get("byte_totals", ()))
+            if missing_bytes:
+                raise ValueError(f"state byte_totals lack {sorted(missing_bytes)}")
         U, W = self.num_units, self.config.window
         window = np.asarray(state["gnmr_window"], dtype=np.float64)
         if window.shape != (U, W):
@@ -662,16 +788,22 @@ class GNMRController:
         self._gnmr_count = np.asarray(state["gnmr_count"], dtype=np.int64)
         self._refresh_flags()
         self._totals = {key: int(state["totals"][key]) for key in _TOTAL_KEYS}
+        self._active_bytes = self._bytes_of(self._active)
+        self._byte_totals = dict.fromkeys(_BYTE_TOTAL_KEYS, 0)
+        if saved_bytes is not None:
+            self._byte_totals = {key: int(state["byte_totals"][key]) for key in _BYTE_TOTAL_KEYS}
         self._record_arrays = None
         self._record_cache = None
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> GNMRController:
-        """Build a controller with the saved num_units, config and recoverable units, then load the state."""
+        """Build a controller with the saved num_units, config, recoverable units and unit_bytes, then load
+        the state."""
         ctrl = cls(
             state["num_units"],
             GNMRConfig.from_dict(state["config"]),
             recoverable=torch.tensor(state["recoverable"], dtype=torch.bool),
+            unit_bytes=state.get("unit_bytes"),
         )
         ctrl.load_state_dict(state)
         return ctrl
@@ -720,6 +852,35 @@ def _top_k(cand: np.ndarray, risk: np.ndarray, k: int) -> np.ndarray:
     selected = np.zeros(len(cand), dtype=bool)
     selected[top] = True
     return selected
+
+def _top_k_bytes(
+    cand: np.ndarray, risk: np.ndarray, k: int, unit_bytes: tuple[int, ...], budget: int
+) -> tuple[np.ndarray, bool]:
+    """The byte-budgeted selection as a new bool mask, and whether the budget skipped a candidate.
+
+    The candidates in rank order (R descending, ties to the lower index: the order of :func:`_top_k`);
+    a unit whose bytes would take the running total over ``budget`` is skipped, and the walk stops
+    once ``k`` units are taken (k > 0). Candidates after the k-th taken are not looked at, so they
+    do not count as skipped. A Python loop over the candidates: they are few (tens) at most steps.
+    """
+    idx = cand.nonzero()[0]
+    order = idx[(-risk[idx]).argsort(kind="stable")].tolist()
+    selected = np.zeros(len(cand), dtype=bool)
+    total, taken, skipped = 0, 0, False
+    for b in order:
+        nb = unit_bytes[b]
+        if total + nb > budget:
+            skipped = True
+            continue
+        selected[b] = True
+        total += nb
+        taken += 1
+        if taken == k:
+            break
+    return selected, skipped
+
+
+_BYTE_TOTAL_KEYS = ("active_bytes", "peak_active_bytes", "hit_bytes_steps")
 
 _TOTAL_KEYS = (
     "gnmr_exceed",
