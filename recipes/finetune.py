@@ -415,6 +415,11 @@ def load_model(recipe: Recipe, model_path: str):
         # before LoRA: the dual-path layers replace the quantised linears that LoRA then wraps
         model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage,
                                           dtype=dtype)
+    elif recipe.script.precision in NF4_PRECISIONS:
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        # plain QLoRA computes as the dual path's low-cost layers do, in training and evaluation alike
+        keep_reference_layout(model)
     if recipe.training.activation_checkpointing:
         model.enable_input_require_grads()  # the frozen embeddings would cut the checkpointed graph
     lora = peft.LoraConfig(r=recipe.lora.lora_r, lora_alpha=recipe.lora.lora_alpha,

@@ -1,5 +1,10 @@
 """The dual-path layers (INT8, NF4 and FP4 low paths) on a tiny random LLaMA: real bitsandbytes, real PEFT, on CPU.
 
+The stock 4-bit references compute with bitsandbytes' reference de-quantise + matmul in eval mode as in
+training (``keep_reference_layout``), as a dual-path layer always does; the tests at the end of the file
+show why: on an AVX512-BF16 CPU bitsandbytes otherwise repacks the weight at the first eval-mode forward
+and its unpacking (at ``state_dict()``) corrupts it, which made these comparisons depend on test order.
+
 References are built independently with stock libraries: the BF16 (or FP32) model read from the same
 checkpoint with stock PEFT for the recovery path, stock PEFT over a stock bnb INT8 / 4-bit load for the
 low-cost path, and a hybrid of the two stock models for a mix. The tests on the ``fp32`` fixture run
@@ -47,6 +52,12 @@ def load(path, quant: bool | str | None, dtype=torch.float32, double_quant: bool
             bnb_4bit_compute_dtype=dtype,
         )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    if quant and quant not in (True, "int8"):
+        # bitsandbytes' reference de-quantise + matmul in eval mode too, as a dual-path layer computes
+        # (not its CPU inference repacking: see test_4bit_eval_and_checkpoint_leave_the_low_path_unchanged)
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        keep_reference_layout(model)
     return model.eval()
 
 

@@ -27,7 +27,12 @@ def _load(path, low: str | None):
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_compute_dtype=torch.float32
         )
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    if low and low != "int8":  # the reference kernel in eval mode too, as the dual path (see test_dual_path.py)
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        keep_reference_layout(model)
+    return model.eval()
 
 
 def _wrap(model, seed):

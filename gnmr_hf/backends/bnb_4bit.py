@@ -19,6 +19,19 @@ stock 4-bit LoRA layer, whose forward is ``base_layer(x).clone() + lora_B(lora_A
 on either path; the saved adapter is a stock PEFT adapter that loads on a BF16 or a 4-bit base.
 Refused on a dual-path layer, as for INT8: ``merge_adapter``/``merge_and_unload`` (they re-quantise
 the merged weight into the 4-bit path only) and DoRA (its weight norm comes from the 4-bit weight).
+
+bitsandbytes' CPU inference repacking
+-------------------------------------
+On a CPU with AVX512-BF16, bitsandbytes 0.50's ``Linear4bit.forward`` repacks the weight the first time
+it runs in eval mode under ``no_grad`` (``_convert_weight_packed_for_cpu``): another nibble layout, the
+block scales (``absmax``) rounded to BF16 and transposed, and from then on a BF16 kernel. So an
+``evaluate()`` changes what the layer computes for the rest of the run, and the inverse that
+``state_dict()`` (every checkpoint save) and ``.to()`` apply leaves ``absmax`` transposed when the
+statistics are not double-quantised: the weight then de-quantises to other values (measured on a tiny
+LLaMA: max weight error 0.036, against 2e-4 with double quantisation, where the BF16 rounding stays).
+A dual-path layer therefore never repacks (:func:`keep_reference_layout`): training, evaluation and
+checkpointing all run bitsandbytes' reference de-quantise + matmul on the weight ``from_pretrained``
+made. A layer already repacked before ``prepare_dual_path`` is refused (its scales are rounded).
 """
 
 from __future__ import annotations
@@ -37,16 +50,64 @@ import bitsandbytes as bnb  # noqa: E402
 
 _LOAD_HINT = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
 
-__all__ = ["STORAGES", "DualPathLinear4bit", "prepare_dual_path"]
+__all__ = ["STORAGES", "DualPathLinear4bit", "is_repacked", "keep_reference_layout", "prepare_dual_path"]
+
+
+_REPACKED = (
+    "{name}: this Linear4bit was already repacked by bitsandbytes' CPU inference path (an eval-mode forward "
+    "under no_grad on a CPU with AVX512-BF16), which rounds its block scales to BF16, so it no longer holds "
+    "the quantisation from_pretrained made. Call prepare_dual_path right after from_pretrained, before any "
+    "evaluation or generation."
+)
+
+
+def is_repacked(module: nn.Module) -> bool:
+    """Whether bitsandbytes has repacked this ``Linear4bit``'s weight for its CPU inference kernel."""
+    weight = getattr(module, "weight", None)
+    return bool(getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False))
+
+
+def keep_reference_layout(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking the ``Linear4bit`` layers of ``model`` for its CPU inference kernel.
+
+    Every ``Linear4bit`` then computes with the reference de-quantise + matmul in training and evaluation
+    alike (see the module docstring for why). :func:`prepare_dual_path` does this for the layers it
+    converts; the recipes do it for a plain 4-bit (QLoRA) model too, so both compute the same way.
+
+    Returns:
+        How many layers were changed.
+
+    Raises:
+        ValueError: a layer was already repacked (its block scales were rounded to BF16).
+    """
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for name, m in layers:
+        if is_repacked(m):
+            raise ValueError(_REPACKED.format(name=name or type(m).__name__))
+    for _, m in layers:
+        m.support_avx512bf16_for_cpu = False  # the only switch bitsandbytes' forward reads for the repacking
+    return len(layers)
 
 
 class DualPathLinear4bit(CheckpointRecovery, bnb.nn.Linear4bit):
     """A bitsandbytes ``Linear4bit`` (NF4 or FP4) that can run on the checkpoint's original BF16 weight.
 
     Never constructed directly: :func:`prepare_dual_path` converts existing ``Linear4bit`` modules in
-    place, keeping their quantised weight. ``recovery`` False: the stock bnb 4-bit forward.
-    ``recovery`` True: ``F.linear(x, W_bf16, bias)`` (see :class:`~gnmr_hf.backends.recovery.CheckpointRecovery`).
+    place, keeping their quantised weight. ``recovery`` False: the stock bnb 4-bit forward, never
+    repacked for the CPU inference kernel (:func:`keep_reference_layout`). ``recovery`` True:
+    ``F.linear(x, W_bf16, bias)`` (see :class:`~gnmr_hf.backends.recovery.CheckpointRecovery`).
     """
+
+    @classmethod
+    def check_convertible(cls, module: nn.Module, name: str) -> None:
+        if is_repacked(module):
+            raise ValueError(_REPACKED.format(name=name))
+
+    @classmethod
+    def convert(cls, module: nn.Module, source: Any) -> nn.Module:
+        module = super().convert(module, source)
+        module.support_avx512bf16_for_cpu = False
+        return module
 
 
 def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kwargs: Any) -> nn.Module:

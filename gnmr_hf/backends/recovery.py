@@ -144,6 +144,11 @@ class CheckpointRecovery(DualPathModule):
     _gnmr_ready: Any
 
     @classmethod
+    def check_convertible(cls, module: nn.Module, name: str) -> None:
+        """Raise ``ValueError`` if ``module`` cannot be converted (a backend's own conditions; run for every
+        planned module before any is converted)."""
+
+    @classmethod
     def convert(cls, module: nn.Module, source: RecoveryWeight) -> nn.Module:
         """Turn ``module`` into a dual-path module in place (returns the same object)."""
         if isinstance(module, CheckpointRecovery):  # prepared before: drop the old recovery weight
@@ -289,6 +294,7 @@ def attach_recovery(
                 continue
             seen.add(id(m))
             name = names.get(id(m)) or canonical_name(f"{unit_name}.{sub_name}")
+            dual_type.check_convertible(m, name)
             plan.append((m, _checked_key(index, name, base, m)))
     if not plan:
         raise ValueError(

