@@ -3,6 +3,13 @@
 A *unit* is a module; its gradient norm is taken over all trainable parameters inside it, and its
 recovery path covers every dual-path module inside it. Units are given as a list of
 ``(qualified_name, module)`` pairs, in the order that defines the unit indices.
+
+Two granularities are built in: the decoder layers (the default, the paper's unit) and
+``"linears"``, every linear layer inside the decoder layers in the model's module order (7 per LLaMA
+layer: q, k, v, o, gate, up, down), each with its PEFT LoRA wrapper when there is one, so the unit's
+gradient norm is its own LoRA's and its recovery path its own base weight. ``prepare_dual_path(...,
+units="linears")`` records the choice on the model, and every later ``units=None`` (the callback,
+``set_active_units``, ``active_units``) then means the same units.
 """
 
 from __future__ import annotations
@@ -13,7 +20,12 @@ from typing import Union
 from torch import nn
 
 Unit = tuple[str, nn.Module]
-UnitSpec = Union[None, Sequence[str], Callable[[nn.Module], Sequence[Unit]]]
+UnitSpec = Union[None, str, Sequence[str], Callable[[nn.Module], Sequence[Unit]]]
+
+LINEARS = "linears"
+UNIT_GRAINS = ("layers", LINEARS)  # the built-in unit specifications given as a string
+# attribute of the (unwrapped) model recording the unit grain prepare_dual_path was given
+_RECORDED = "_gnmr_unit_spec"
 
 # names a transformers causal LM gives its decoder-layer list (LLaMA/Mistral/Qwen: "layers", GPT-2: "h",
 # OPT: "layers", Falcon: "h", GPT-NeoX: "layers", Bloom: "h", MPT: "blocks")
@@ -72,23 +84,82 @@ def find_decoder_layers(model: nn.Module) -> list[Unit]:
     return [(f"{name}.{i}", layer) for i, layer in enumerate(layers)]
 
 
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def find_linear_units(model: nn.Module) -> list[Unit]:
+    """Every linear layer inside the decoder layers, in module order, as ``(qualified_name, module)``.
+
+    A linear wrapped by PEFT (a LoRA layer with ``get_base_layer()``) is one unit, the wrapper (so the
+    unit holds the LoRA parameters and the base layer); PEFT's own ``lora_A``/``lora_B`` linears are not
+    units. Names are those of ``model.named_modules()`` (e.g. ``base_model.model.model.layers.3.self_attn.v_proj``
+    under PEFT); :func:`short_name` gives the readable ``layers.3.self_attn.v_proj``.
+    """
+    units: list[Unit] = []
+    for layer_name, layer in find_decoder_layers(model):
+        inside: list[str] = []  # wrappers already taken: their submodules are not units
+        for sub, m in layer.named_modules():
+            if any(sub.startswith(p + ".") for p in inside):
+                continue
+            base = m.get_base_layer() if hasattr(m, "get_base_layer") and m is not layer else None
+            if base is not None and base is not m and _is_linear(base):
+                inside.append(sub)
+                units.append((f"{layer_name}.{sub}", m))
+            elif _is_linear(m) and sub:
+                units.append((f"{layer_name}.{sub}", m))
+    if not units:
+        raise ValueError(f"no linear layer inside the decoder layers of {type(model).__name__}")
+    return units
+
+
+def short_name(name: str) -> str:
+    """A unit name without the wrappers' prefixes: ``base_model.model.model.layers.3.mlp`` -> ``layers.3.mlp``."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p in _LAYER_LIST_NAMES and i + 1 < len(parts) and parts[i + 1].isdigit():
+            return ".".join(parts[i:])
+    return name
+
+
+def recorded_spec(model: nn.Module) -> str | None:
+    """The unit grain ``prepare_dual_path`` recorded on ``model`` (``None``: the decoder layers)."""
+    return getattr(unwrap_model(model), _RECORDED, None)
+
+
+def record_spec(model: nn.Module, units: UnitSpec) -> None:
+    """Record a string unit grain on ``model`` so that ``units=None`` later means the same units."""
+    base = unwrap_model(model)
+    if isinstance(units, str):
+        base.__dict__[_RECORDED] = units  # a plain attribute (not a module or parameter)
+    elif units is None:
+        base.__dict__.pop(_RECORDED, None)
+
+
 def resolve_units(model: nn.Module, units: UnitSpec = None) -> list[Unit]:
     """Turn a unit specification into ``(qualified_name, module)`` pairs.
 
     Args:
-        units: ``None`` for the decoder layers (:func:`find_decoder_layers`); a sequence of module
-            names (exact qualified names, or suffixes such as ``"model.layers.3.mlp"`` that match
-            exactly one module of a PEFT-wrapped model); or a callable ``model -> [(name, module)]``.
+        units: ``None`` for the grain recorded by ``prepare_dual_path(..., units=...)``, else the decoder
+            layers (:func:`find_decoder_layers`); ``"layers"`` for the decoder layers; ``"linears"`` for
+            every linear inside them (:func:`find_linear_units`); a sequence of module names (exact
+            qualified names, or suffixes such as ``"model.layers.3.mlp"`` that match exactly one module of
+            a PEFT-wrapped model); or a callable ``model -> [(name, module)]``.
     """
     if units is None:
+        units = recorded_spec(model)
+    if units is None or units == "layers":
         return find_decoder_layers(model)
+    if units == LINEARS:
+        return find_linear_units(model)
     if callable(units):
         resolved = list(units(model))
         if not resolved:
             raise ValueError("the units callable returned no units")
         return resolved
     if isinstance(units, str):
-        raise TypeError("units must be a sequence of module names, not a single string")
+        raise ValueError(f"units: unknown grain {units!r}: give one of {UNIT_GRAINS}, a sequence of module names "
+                         "or a callable")
     modules = dict(model.named_modules())
     resolved = []
     for spec in units:

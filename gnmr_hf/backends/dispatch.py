@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from gnmr_hf.units import record_spec
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -96,8 +98,10 @@ def prepare_dual_path(
         storage: where the BF16 weights live between promotions: ``"host"`` (CPU memory, pinned with
             CUDA; copied to the device at promotion), ``"device"`` (always resident) or ``"disk"`` (read
             from the safetensors file at each promotion); see :mod:`gnmr_hf.backends.recovery`.
-        **kwargs: ``units`` (which modules are the units, default the decoder layers; see
-            :func:`gnmr_hf.units.resolve_units`) and ``dtype`` (the dtype the recovery weights are kept
+        **kwargs: ``units`` (which modules are the units: the decoder layers by default, ``"linears"``
+            for every linear inside them, each its own unit; see :func:`gnmr_hf.units.resolve_units`;
+            a string grain is recorded on the model, so the callback and ``set_active_units`` use the
+            same units without being told) and ``dtype`` (the dtype the recovery weights are kept
             and computed in, default ``torch.bfloat16``).
 
     Returns:
@@ -111,4 +115,6 @@ def prepare_dual_path(
     """
     backend = find_backend(model)
     prepare = importlib.import_module(backend.module).prepare_dual_path
-    return prepare(model, recovery_source=recovery_source, storage=storage, **kwargs)
+    model = prepare(model, recovery_source=recovery_source, storage=storage, **kwargs)
+    record_spec(model, kwargs.get("units"))  # units=None later (callback, set_active_units) means these units
+    return model
