@@ -1,0 +1,71 @@
+"""LoftQ initialisation of a QLoRA adapter on a CPU: PEFT's own code with one line changed.
+
+PEFT 0.21's ``replace_lora_weights_loftq`` (``peft.utils.loftq_utils``) initialises each LoRA pair of a
+bitsandbytes 4-bit model from the SVD of the quantisation residual ``W - dequant(W_4bit)``, but its
+``_loftq_init_new`` hard-codes the compute device::
+
+    compute_device = "xpu" if is_xpu_available() else "cuda"
+
+so it fails on a machine without an accelerator. :func:`replace_lora_weights_loftq_cpu` runs PEFT's
+``replace_lora_weights_loftq`` unchanged with ``_loftq_init_new`` rebuilt from PEFT's own source with
+that one line replaced by ``compute_device = qweight.device`` (the device the 4-bit weight is on), for
+the duration of the call. The patch is checked: if PEFT's source no longer has that line, it raises
+instead of guessing (tests/test_loftq_cpu.py also checks that exactly one line differs).
+
+The 4-bit layers must hold bitsandbytes' reference layout (``keep_reference_layout``): a weight repacked
+for bitsandbytes' CPU inference kernel does not de-quantise with ``dequantize_4bit``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+import types
+from contextlib import contextmanager
+from typing import Any
+
+CUDA_LINE = 'compute_device = "xpu" if is_xpu_available() else "cuda"'
+CPU_LINE = "compute_device = qweight.device"
+
+
+def patched_source() -> tuple[str, str]:
+    """PEFT's ``_loftq_init_new`` source and the same with the compute-device line replaced."""
+    from peft.utils import loftq_utils
+
+    original = textwrap.dedent(inspect.getsource(loftq_utils._loftq_init_new))
+    if original.count(CUDA_LINE) != 1:
+        raise RuntimeError(f"peft.utils.loftq_utils._loftq_init_new no longer holds the line {CUDA_LINE!r}: "
+                           "check whether this PEFT version runs LoftQ on the CPU as it is")
+    return original, original.replace(CUDA_LINE, CPU_LINE)
+
+
+def _cpu_init() -> types.FunctionType:
+    from peft.utils import loftq_utils
+
+    _, source = patched_source()
+    namespace: dict[str, Any] = {}
+    # compiled in loftq_utils' own globals, so every name it uses (torch, bnb checks, the SVD) is PEFT's
+    exec(compile(source, inspect.getsourcefile(loftq_utils), "exec"), loftq_utils.__dict__, namespace)  # noqa: S102
+    return namespace["_loftq_init_new"]
+
+
+@contextmanager
+def loftq_on_the_weight_device():
+    """Within the block, PEFT's LoftQ computes on the 4-bit weight's device."""
+    from peft.utils import loftq_utils
+
+    saved = loftq_utils._loftq_init_new
+    loftq_utils._loftq_init_new = _cpu_init()
+    try:
+        yield
+    finally:
+        loftq_utils._loftq_init_new = saved
+
+
+def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_name: str = "default") -> Any:
+    """PEFT's ``replace_lora_weights_loftq`` on the CPU (see the module docstring). Returns ``peft_model``."""
+    from peft import replace_lora_weights_loftq
+
+    with loftq_on_the_weight_device():
+        replace_lora_weights_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name)
+    return peft_model

@@ -1,0 +1,71 @@
+"""The LoftQ baseline on a CPU (bench/loftq_cpu.py): PEFT's own LoftQ with one line changed."""
+
+from __future__ import annotations
+
+import difflib
+
+import pytest
+import torch
+
+from tests.conftest import load_bench
+from tests.test_dual_path import LINEARS, load, logits
+
+peft = pytest.importorskip("peft")
+bnb = pytest.importorskip("bitsandbytes")
+
+loftq = load_bench("loftq_cpu")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _qlora(path, rank=4):
+    model = load(path, "nf4")  # FP32 compute, bitsandbytes' reference layout
+    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=LINEARS)  # scaling 1: B A is the correction
+    return peft.get_peft_model(model, cfg)
+
+
+def test_the_patch_changes_exactly_the_compute_device_line():
+    original, patched = loftq.patched_source()
+    changed = [ln for ln in difflib.ndiff(original.splitlines(), patched.splitlines()) if ln[:2] in ("- ", "+ ")]
+    assert [ln[2:].strip() for ln in changed] == [loftq.CUDA_LINE, loftq.CPU_LINE]
+
+
+def test_stock_peft_loftq_needs_an_accelerator(tiny_llama_dir):
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present")
+    from peft import replace_lora_weights_loftq
+
+    with pytest.raises((RuntimeError, AssertionError), match="(?i)cuda|nvidia|torch not compiled"):
+        replace_lora_weights_loftq(_qlora(tiny_llama_dir), model_path=str(tiny_llama_dir))
+
+
+def test_loftq_init_is_the_svd_of_the_quantisation_residual(tiny_llama_dir):
+    from safetensors import safe_open
+
+    model = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
+    layer = model.base_model.model.model.layers[2].mlp.down_proj
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("model.layers.2.mlp.down_proj.weight").float()
+    residual = w - bnb.functional.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state)
+    u, s, vh = torch.linalg.svd(residual, full_matrices=False)  # by hand: B = U sqrt(S), A = sqrt(S) Vh, rank 4
+    b_want, a_want = u[:, :4] * s[:4].sqrt(), s[:4].sqrt()[:, None] * vh[:4]
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    torch.testing.assert_close(b @ a, b_want @ a_want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.abs(), a_want.abs(), rtol=1e-3, atol=1e-5)  # singular vectors up to sign
+    assert (b @ a).abs().max() > 1e-3  # the correction is not zero
+
+
+def test_loftq_adapter_brings_the_4bit_model_closer_to_bf16(tiny_llama_dir, ids):
+    reference = logits(load(tiny_llama_dir, False), ids)
+    plain = _qlora(tiny_llama_dir, rank=8)  # B = 0: the 4-bit model itself
+    plain_err = (logits(plain, ids) - reference).pow(2).mean()
+    from peft.utils import loftq_utils
+
+    stock = loftq_utils._loftq_init_new
+    init = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=8), tiny_llama_dir)
+    loftq_err = (logits(init, ids) - reference).pow(2).mean()
+    assert loftq_err < 0.8 * plain_err, (float(loftq_err), float(plain_err))
+    assert loftq_utils._loftq_init_new is stock  # PEFT's module is its own again afterwards
