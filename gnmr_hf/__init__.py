@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "GNMRConfig": "gnmr_hf.core.controller",
     "GNMRController": "gnmr_hf.core.controller",
+    "HybridPolicy": "gnmr_hf.core.policies",
+    "StaticPolicy": "gnmr_hf.core.policies",
     "GNMRCallback": "gnmr_hf.trainer.callback",
     "attach": "gnmr_hf.trainer.callback",
     "prepare_dual_path": "gnmr_hf.backends.dispatch",
@@ -37,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from gnmr_hf.backends.dispatch import prepare_dual_path
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
+    from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
     from gnmr_hf.trainer.callback import GNMRCallback, attach
     from gnmr_hf.units import find_decoder_layers
