@@ -62,10 +62,25 @@ def loftq_on_the_weight_device():
         loftq_utils._loftq_init_new = saved
 
 
-def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_name: str = "default") -> Any:
-    """PEFT's ``replace_lora_weights_loftq`` on the CPU (see the module docstring). Returns ``peft_model``."""
+def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_name: str = "default",
+                                   account_for_scaling: bool = True) -> Any:
+    """PEFT's ``replace_lora_weights_loftq`` on the CPU (see the module docstring). Returns ``peft_model``.
+
+    Args:
+        account_for_scaling: PEFT sets ``B A`` to the rank-r residual and ignores LoRA's ``scaling``
+            (``lora_alpha / r``), so with ``lora_alpha != r`` the adapter adds ``scaling`` times the
+            residual. True (LoftQ's intent): both factors are divided by ``sqrt(scaling)`` afterwards, so
+            ``scaling * B A`` is the residual. False: PEFT's result as it is.
+    """
     from peft import replace_lora_weights_loftq
+    from peft.tuners.lora import Linear4bit
 
     with loftq_on_the_weight_device():
         replace_lora_weights_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name)
+    if account_for_scaling:
+        for module in peft_model.modules():
+            if isinstance(module, Linear4bit) and adapter_name in module.lora_A:
+                root = float(module.scaling[adapter_name]) ** 0.5
+                module.lora_A[adapter_name].weight.data /= root
+                module.lora_B[adapter_name].weight.data /= root
     return peft_model

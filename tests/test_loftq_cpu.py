@@ -21,9 +21,9 @@ def ids():
     return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _qlora(path, rank=4):
+def _qlora(path, rank=4, alpha=None):
     model = load(path, "nf4")  # FP32 compute, bitsandbytes' reference layout
-    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=LINEARS)  # scaling 1: B A is the correction
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=LINEARS)  # default scaling 1
     return peft.get_peft_model(model, cfg)
 
 
@@ -69,3 +69,17 @@ def test_loftq_adapter_brings_the_4bit_model_closer_to_bf16(tiny_llama_dir, ids)
     loftq_err = (logits(init, ids) - reference).pow(2).mean()
     assert loftq_err < 0.8 * plain_err, (float(loftq_err), float(plain_err))
     assert loftq_utils._loftq_init_new is stock  # PEFT's module is its own again afterwards
+
+
+@pytest.mark.parametrize("account", [True, False])
+def test_scaling_is_accounted_for(tiny_llama_dir, account):
+    plain = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
+    scaled = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4, alpha=8), tiny_llama_dir,
+                                                 account_for_scaling=account)
+
+    def delta(m):  # what the adapter adds to the weight: scaling * B A
+        layer = m.base_model.model.model.layers[1].self_attn.v_proj
+        return layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+
+    want = delta(plain) if account else 2 * delta(plain)  # scaling 2 without the correction
+    torch.testing.assert_close(delta(scaled), want, rtol=1e-4, atol=1e-6)
