@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import gnmr_hf
 from gnmr_hf.core.controller import GNMRConfig, GNMRController
-from gnmr_hf.core.policies import HybridPolicy, StaticPolicy, StaticSetPolicy, TriggerPolicy
+from gnmr_hf.core.policies import HybridPolicy, StaticPolicy, StaticSetPolicy, TriggerPolicy, make_policy
 
 # Step 1 is quiet (GNMR = Delta = 1 < alpha = 1.1). At step 2 all history and window means are 1, so
 # GNMR = Delta = n and R = n / 1.1: rank 3 (n=5), 0 (4), 1 (3), 2 (2), all risky. Step 3: nobody is
@@ -86,6 +86,16 @@ def test_static_policy_errors():
         StaticPolicy(3, units=[1], unit_bytes=[-1, 0, 0])
     with pytest.raises(ValueError, match="one entry per unit"):
         StaticPolicy(3, units=[1], unit_bytes=[1, 2])
+
+
+def test_make_policy_passes_unit_bytes():
+    cfg = GNMRConfig(max_active=4, max_active_bytes=6)
+    gnmr = make_policy("gnmr", 4, cfg, unit_bytes=BYTES)
+    assert drive(gnmr, ROWS[:2])[0][1] == [1, 3]  # the byte-budgeted choice of the controller tests
+    with pytest.raises(ValueError, match="needs unit_bytes"):
+        make_policy("gnmr", 4, cfg)
+    static = make_policy("static_set", 4, cfg, units=[0], unit_bytes=BYTES)
+    assert drive(static, ROWS[:1])[1][0]["active_bytes"] == 10
 
 
 # ---------------------------------------------------------------------------- HybridPolicy

@@ -931,6 +931,7 @@ def make_policy(
     profile_steps: int | None = None,
     refresh_every: int | None = None,
     gap_window: int | None = None,
+    unit_bytes: Sequence[int] | None = None,
 ) -> TriggerPolicy:
     """Build a trigger policy by name under the budget and thresholds of a :class:`GNMRConfig`.
 
@@ -949,13 +950,16 @@ def make_policy(
         profile_steps (`int`, *optional*): the profile length of ``"gap_profile"`` (required).
         refresh_every (`int`, *optional*): ``"gap_profile"``'s refresh period (None: no refresh).
         gap_window (`int`, *optional*): measurements ``"gap_profile"`` averages (None: ``profile_steps``).
+        unit_bytes (*optional*): each unit's recovery bytes, for ``"gnmr"`` (required there when
+            ``config.max_active_bytes`` is set) and ``"static_set"`` (byte figures in its records); the
+            other policies ignore them.
     """
     if not isinstance(config, GNMRConfig):
         raise TypeError(f"config must be a GNMRConfig, got {type(config).__name__}")
     common = {f: getattr(config, f) for f in _THRESHOLD_FIELDS}
     K = config.max_active
     if name == "gnmr":
-        return GNMRController(num_units, config, recoverable=recoverable)
+        return GNMRController(num_units, config, recoverable=recoverable, unit_bytes=unit_bytes)
     if name == "adapt":
         if warmup_steps is None:
             raise ValueError("the 'adapt' policy needs warmup_steps")
@@ -971,7 +975,7 @@ def make_policy(
     if name == "static_set":
         if units is None:
             raise ValueError("the 'static_set' policy needs units (the unit indices to keep on the recovery path)")
-        return StaticSetPolicy(num_units, units, recoverable, max_active=K, **common)
+        return StaticSetPolicy(num_units, units, recoverable, max_active=K, unit_bytes=unit_bytes, **common)
     if name == "gap_profile":
         if profile_steps is None:
             raise ValueError("the 'gap_profile' policy needs profile_steps")
