@@ -14,7 +14,9 @@ traced as ``"skipped": true`` and never reaches it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Any
@@ -27,7 +29,7 @@ from gnmr_hf.core.controller import GNMRConfig, GNMRController, init_steps_from_
 from gnmr_hf.trainer import wiring
 from gnmr_hf.trainer.grad_norms import MicroBatchNorms, UnitGradNorms
 from gnmr_hf.trainer.ranks import RankAgreement, world_size
-from gnmr_hf.trainer.state import GNMRState, check_saved, saved_entries, with_state_entry
+from gnmr_hf.trainer.state import GNMRState, check_saved, policy_settings, saved_entries, with_state_entry
 from gnmr_hf.trainer.trace import TRACE_NAME, LogWindow, TraceWriter, jsonable
 from gnmr_hf.units import Unit, resolve_units
 
@@ -55,6 +57,10 @@ class GNMRCallback(TrainerCallback):
     saved in every checkpoint (``trainer_state.json``) and restored exactly on ``resume_from_checkpoint``
     with ``restore_callback_states_from_checkpoint`` on or off; the trace is cut back to the resumed step.
 
+    Outside the training steps the model runs on the low-cost path: after ``train()`` returns or raises,
+    and during the Trainer's evaluation inside a run (``evaluate``/``predict``; the training mask is put
+    back afterwards). One ``GNMRCallback`` per Trainer.
+
     Args:
         config (`GNMRConfig` or `dict`, *optional*): controller configuration (a dict goes through
             ``GNMRConfig.from_dict``). Defaults to ``GNMRConfig()``.
@@ -71,10 +77,17 @@ class GNMRCallback(TrainerCallback):
         trace (`bool` or `str`, defaults to `True`): write the trace and summary (a string: the trace path).
         check_ranks (`bool`, defaults to `True`): under ``torch.distributed``, check every step that all
             ranks took the same decision (``RuntimeError`` if not).
+        eval_on_recovery (`bool`, defaults to `False`): evaluate inside a run with the current training mask
+            (the units the last step promoted) instead of the low-cost path.
+        strict_resume (`bool`, defaults to `False`): refuse (``ValueError``) to resume a checkpoint made with
+            another effective batch (per-device batch x gradient accumulation x data-parallel processes)
+            instead of warning and restarting the GNMR statistics.
 
-    Refused at train begin with ``ValueError``: DeepSpeed, FSDP, DTensor (tensor-parallel) parameters
-    (per-unit norms of local shards would be wrong), no units, no trainable parameter in any unit, and a
-    checkpoint whose GNMR state differs from this run (units, config or policy).
+    Refused at train begin with ``ValueError``: a second ``GNMRCallback`` on the same Trainer, DeepSpeed,
+    FSDP, DTensor (tensor-parallel) parameters (per-unit norms of local shards would be wrong), no units,
+    no trainable parameter in any unit, a ``GNMRConfig`` with ``max_active > 0`` on a model without
+    dual-path modules (forgotten :func:`gnmr_hf.prepare_dual_path`; ``max_active=0`` is a monitor), and a
+    checkpoint whose GNMR state differs from this run (units, config, policy or policy settings).
     """
 
     def __init__(
@@ -85,13 +98,32 @@ class GNMRCallback(TrainerCallback):
         init_fraction: float | None = None,
         trace: bool | str = True,
         check_ranks: bool = True,
+        eval_on_recovery: bool = False,
+        strict_resume: bool = False,
     ) -> None:
         config = _checked_args(config, units, policy, init_fraction, trace)
+        for name, value in (("eval_on_recovery", eval_on_recovery), ("strict_resume", strict_resume)):
+            if not isinstance(value, bool):
+                raise TypeError(f"GNMRCallback: {name} must be a bool, got {type(value).__name__}")
         self.config, self.units, self.policy = config, units, policy
         self.init_fraction, self.trace, self.check_ranks = init_fraction, trace, bool(check_ranks)
+        self.eval_on_recovery, self.strict_resume = eval_on_recovery, strict_resume
         self.state_carrier = GNMRState()
         self.state_carrier.source = self._run_state
+        self.clip_token: object | None = None  # the clip routing of the current run (wiring.take_over_clip)
+        self._warned_clip = False
+        self._live = False
         self._reset_run()
+
+    def __repr__(self) -> str:
+        if self.policy is None:
+            return f"GNMRCallback(config={self.config!r})"
+        policy = self.policy
+        if isinstance(policy, functools.partial):
+            name = f"{getattr(policy.func, '__name__', type(policy.func).__name__)}(**{policy.keywords!r})"
+        else:
+            name = getattr(policy, "__name__", None) or type(policy).__name__
+        return f"GNMRCallback(policy={name})"
 
     def _reset_run(self) -> None:
         self.controller: Any = None
@@ -110,6 +142,11 @@ class GNMRCallback(TrainerCallback):
         self._ranks: RankAgreement | None = None
         self._window = LogWindow(_LOGGED_KEYS)
         self._last_step = 0
+        self._model: Any = None  # the model of the live run, put back on the low-cost path when it ends
+        self._guard: Any = None  # the Trainer's wiring.guard, which ends the run if train() raises
+        self._eval_depth = 0
+        self._effective_batch: int | None = None
+        self._settings: dict | None = None  # a policy's constructor settings, checked on resume
 
     @property
     def active(self) -> list[int]:
@@ -124,12 +161,13 @@ class GNMRCallback(TrainerCallback):
             wiring.place(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self._trace is not None:  # a run that raised (or the Trainer's batch-size retry) left it open
-            self._trace.close()
+        self.end_run(finished=False)  # a run that raised (or the Trainer's batch-size retry) left it live
         self._reset_run()
         trainer = wiring.find_trainer(self)
         if model is None:
             raise ValueError("GNMRCallback needs the model (the Trainer passes it to callbacks)")
+        if trainer is not None:
+            _refuse_second(trainer)
         wiring.refuse_unsupported(args, trainer, model)
         try:
             self._units = resolve_units(model, self.units)
@@ -144,14 +182,21 @@ class GNMRCallback(TrainerCallback):
             warnings.warn(f"GNMRCallback: units without trainable parameters (norm always 0): {empty}", stacklevel=2)
         self._recoverable = recoverable_units(model, self._units)
         self._dual = list(dual_path_modules(model))
+        self._refuse_unprepared(model)
         self.controller = self._build_controller(len(self._units), state.max_steps)
         if getattr(self.controller, "needs_microbatch_norms", False):
             if world_size() > 1:
                 raise ValueError("GNMRCallback: a policy with needs_microbatch_norms is supported on a single process only")
             self._micro = MicroBatchNorms(self._norms)
+        self._effective_batch = wiring.effective_batch(args, trainer)
+        self._settings = policy_settings(self.controller) if self.policy is not None else None
 
         self._last_step = state.global_step
         self._active = self._resume(state) if state.global_step > 0 else self._indices(self.controller.initial_mask())
+        self._model, self._live = model, True
+        if trainer is not None:
+            self._guard = wiring.guard(trainer)
+            self._guard.live.append(self)
         self._apply(model, force=True)
         if world_size() > 1 and self.check_ranks:
             self._ranks = RankAgreement.for_current_group(len(self._units))
@@ -163,7 +208,27 @@ class GNMRCallback(TrainerCallback):
             wiring.place(trainer, self)
             with_state_entry(state.stateful_callbacks, self.state_carrier)
             self._accelerator = trainer.accelerator
-            wiring.take_over_clip(trainer.accelerator, self)
+            if wiring.take_over_clip(trainer, self) and not self._warned_clip:
+                self._warned_clip = True
+                warnings.warn(
+                    f"GNMRCallback: accelerator.clip_grad_norm_ is not accelerate's own method "
+                    f"({getattr(trainer.accelerator.clip_grad_norm_, 'gnmr_original', None)!r}), so another library "
+                    "wraps it; the callback keeps that wrapper and reads the per-unit norms of the unclipped gradients "
+                    "in a separate pass before each clip call (one extra norm pass over the units' gradients per "
+                    "optimizer step)", stacklevel=2)
+
+    def _refuse_unprepared(self, model) -> None:
+        if self.policy is not None or self.config.max_active == 0 or any(self._recoverable):
+            return
+        where = ("none of its units holds a dual-path module" if self._dual
+                 else f"the model ({type(model).__name__}) has no dual-path module")
+        n = self.config.max_active
+        raise ValueError(
+            f"GNMRCallback: GNMRConfig(max_active={n}) puts up to {n} units on the recovery path, but {where}. "
+            "Load the model in 8-bit or 4-bit and call gnmr_hf.prepare_dual_path(model, recovery_source=..., "
+            "storage=...) before peft.get_peft_model(...); for a deliberate monitor-only run (a per-layer "
+            "gradient-spike monitor) pass GNMRConfig(max_active=0)."
+        )
 
     def _build_controller(self, num_units: int, max_steps: int) -> Any:
         if self.policy is None:
@@ -188,7 +253,18 @@ class GNMRCallback(TrainerCallback):
                           "checkpoint was made without this callback); the controller starts from scratch", stacklevel=3)
             return self._indices(self.controller.initial_mask())
         config, policy = self._identity()
-        check_saved(saved, names, state.global_step, config, policy)
+        check_saved(saved, names, state.global_step, config, policy, self._settings)
+        old = saved.get("effective_batch")  # absent in checkpoints made before it was recorded: unknown
+        if old is not None and old != self._effective_batch:
+            message = (f"GNMRCallback: the checkpoint's GNMR statistics were gathered with an effective batch of {old} "
+                       f"samples per optimizer step, this run uses {self._effective_batch} (per-device batch x gradient "
+                       "accumulation x data-parallel processes); gradient norms at another batch size are not comparable")
+            if self.strict_resume:
+                raise ValueError(message + ". strict_resume=True refuses this: resume with the same batch settings, or "
+                                 "pass strict_resume=False to restart the statistics.")
+            warnings.warn(message + ", so the GNMR statistics restart at this step (a fresh controller: a new warm-up, "
+                          "no locks, nothing on the recovery path)", stacklevel=3)
+            return self._indices(self.controller.initial_mask())
         self.controller.load_state_dict(saved["controller"])
         return list(saved["active"])
 
@@ -202,7 +278,8 @@ class GNMRCallback(TrainerCallback):
             return None
         config, policy = self._identity()
         return {"units": [name for name, _ in self._units], "step": int(self._last_step), "active": list(self._active),
-                "controller": jsonable(self.controller.state_dict()), "config": config, "policy": policy}
+                "controller": jsonable(self.controller.state_dict()), "config": config, "policy": policy,
+                "policy_settings": self._settings, "effective_batch": self._effective_batch}
 
     # ---------------------------------------------------------------------------------- each step
 
@@ -216,9 +293,25 @@ class GNMRCallback(TrainerCallback):
             self._micro.observe(last=True, scale=wiring.loss_scale(self._accelerator))  # still scaled, as the others
         self._accelerator.unscale_gradients()
         total, self._step_sq = self._norms.clip_(parameters, max_norm)
-        scaler = self._accelerator.scaler
-        self._scale_before = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        self._scale_before = self._loss_scale_now()
         return total
+
+    def read_norms(self) -> None:
+        """Take this step's per-unit norms from the gradients as they are, in a separate pass, right before a
+        clip call that is not the callback's to answer (another library's wrapper, or a norm type other than
+        2): unclipped, still multiplied by an fp16 loss scale, which is divided out."""
+        scale = wiring.loss_scale(self._accelerator)
+        if self._micro is not None:
+            self._micro.observe(last=True, scale=scale)
+        sq = self._norms.sq_norms(self._norms.grads())
+        if sq is None:
+            sq = torch.zeros(len(self._units), dtype=torch.float64)
+        self._step_sq = sq / scale**2 if scale != 1.0 else sq
+        self._scale_before = self._loss_scale_now()
+
+    def _loss_scale_now(self) -> float | None:
+        scaler = self._accelerator.scaler
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.controller is None or self._step_sq is not None:
@@ -317,16 +410,55 @@ class GNMRCallback(TrainerCallback):
     # ---------------------------------------------------------------------------------- train end
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.controller is None:
+        self.end_run(finished=True)
+
+    def end_run(self, finished: bool = True) -> None:
+        """End the live run (no-op without one): give the clip call back, put every unit on the low-cost path
+        (no recovery bytes held), close the trace; a finished run also checks the last rank agreement and
+        writes the summary. The controller, ``active`` (the decision for the next step) and the checkpointed
+        state stay. ``on_train_end`` calls it, and the Trainer guard when ``train()`` raises."""
+        if not self._live:
             return
-        if self._accelerator is not None:
-            wiring.give_back_clip(self._accelerator)
-        if self._ranks is not None:
-            self._ranks.flush()
-        if self._trace is not None:
-            self._trace.close({"summary": self.controller.summary(), "steps": int(self._last_step),
-                               "units": [n for n, _ in self._units], "recoverable": list(self._recoverable)})
-            self._trace = None
+        self._live = False
+        if self._guard is not None and self in self._guard.live:
+            self._guard.live.remove(self)
+        self.clip_token = None
+        try:
+            if self._accelerator is not None:
+                wiring.give_back_clip(self._accelerator)
+            if finished and self._ranks is not None:
+                self._ranks.flush()
+        finally:
+            self._ranks = None
+            try:
+                if self._trace is not None:
+                    summary = None
+                    if finished:
+                        summary = {"summary": self.controller.summary(), "steps": int(self._last_step),
+                                   "units": [n for n, _ in self._units], "recoverable": list(self._recoverable)}
+                    self._trace.close(summary)
+                    self._trace = None
+            finally:
+                if self._model is not None and any(self._recoverable):
+                    set_active_units(self._model, [], self._units)
+                self._applied = []
+
+    @contextlib.contextmanager
+    def inference_path(self):
+        """Run the body (the Trainer's ``evaluate``/``predict`` inside a run) on the low-cost path, then put the
+        training mask back; nothing happens outside a run or with ``eval_on_recovery=True``."""
+        if not self._live or self.eval_on_recovery:
+            yield
+            return
+        self._eval_depth += 1
+        try:
+            if self._eval_depth == 1 and self._applied and any(self._recoverable):
+                set_active_units(self._model, [], self._units)
+            yield
+        finally:
+            self._eval_depth -= 1
+            if self._eval_depth == 0 and self._live and self._applied:
+                set_active_units(self._model, self._applied, self._units)
 
 
 def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any) -> GNMRCallback:
@@ -346,6 +478,17 @@ def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any)
     callback = GNMRCallback(config, **kwargs)
     wiring.place(trainer, callback)
     return callback
+
+
+def _refuse_second(trainer: Any) -> None:
+    found = [(i, cb) for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, GNMRCallback)]
+    if len(found) > 1:
+        named = " and ".join(f"callbacks[{i}] = {cb!r}" for i, cb in found)
+        raise ValueError(
+            f"GNMRCallback: this Trainer has {len(found)} GNMRCallbacks ({named}); a Trainer takes one GNMRCallback "
+            "(two would both answer the clip call and switch the same layers). Remove one with "
+            "trainer.remove_callback(callback)."
+        )
 
 
 def _checked_args(config: Any, units: Any, policy: Any, init_fraction: Any, trace: Any) -> GNMRConfig | None:

@@ -1,19 +1,28 @@
 """How ``GNMRCallback`` plugs into a ``transformers.Trainer``: finding it, its place in the callback
-list, the clip call it answers, and the set-ups it refuses.
+list, the clip call it answers, the Trainer calls it guards, and the set-ups it refuses.
 
 Callbacks are not handed the Trainer. :func:`gnmr_hf.trainer.callback.attach` gives it explicitly; the
 drop-in ``callbacks=[GNMRCallback()]`` finds it on the call stack (:func:`find_trainer`) at
 ``on_init_end`` and ``on_train_begin``.
+
+The Trainer has no event for "train() raised" nor for "evaluation begins", so :func:`guard` wraps the
+Trainer's own ``train``, ``evaluate`` and ``predict`` (instance attributes, once per Trainer): a run
+that raises ends with every unit on the low-cost path and the clip call given back, and evaluation
+inside a run runs on the low-cost path (docs/design.md, "Outside the training steps").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 from typing import Any
 
 import torch
 
 from gnmr_hf.trainer.state import GNMRState
+
+_GUARD = "_gnmr_guard"
 
 
 def find_trainer(callback: Any) -> Any:
@@ -48,28 +57,146 @@ def place(trainer: Any, callback: Any) -> None:
             callbacks.append(callback.state_carrier)
         else:
             callbacks[orphan] = callback.state_carrier
+    guard(trainer)
 
 
-def take_over_clip(accelerator: Any, callback: Any) -> None:
-    """Route ``accelerator.clip_grad_norm_`` (the Trainer's one norm pass per step) through
-    ``callback.clip_grad_norm_`` while ``callback`` runs on this accelerator (2-norms only)."""
+class _Guard:
+    """What :func:`guard` keeps on one Trainer.
+
+    Attributes:
+        live: the callbacks whose run on this Trainer has begun and not yet ended.
+    """
+
+    def __init__(self) -> None:
+        self.live: list[Any] = []
+
+    def end_runs(self) -> None:
+        """End every live run as a run that did not finish (low-cost path, clip given back)."""
+        for callback in list(self.live):
+            callback.end_run(finished=False)
+
+
+def guard(trainer: Any) -> _Guard:
+    """Wrap the Trainer's ``train``, ``evaluate`` and ``predict`` once (instance attributes).
+
+    - ``train``: before the call, a run left live by an earlier call (one that raised past a callback
+      added after the Trainer was built) is ended, and state carriers whose callback was removed are
+      dropped; after the call, normally or by an exception, every run still live is ended: its units go
+      back to the low-cost path and the clip call is given back. On a normal return ``on_train_end`` has
+      already done this.
+    - ``evaluate`` / ``predict``: every live run's callback puts its units on the low-cost path for the
+      call and its training mask back after it (unless it was built with ``eval_on_recovery=True``).
+
+    Returns:
+        The guard (the live runs), shared by every callback of this Trainer.
+    """
+    found = trainer.__dict__.get(_GUARD)
+    if found is not None:
+        return found
+    kept = _Guard()
+    train, evaluate, predict = trainer.train, trainer.evaluate, trainer.predict
+
+    @functools.wraps(train)
+    def guarded_train(*args, **kwargs):
+        kept.end_runs()  # train() is not re-entrant: whatever is live now is left over
+        drop_orphan_carriers(trainer)
+        try:
+            return train(*args, **kwargs)
+        finally:
+            kept.end_runs()
+
+    def on_low_path(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with contextlib.ExitStack() as stack:
+                for callback in list(kept.live):
+                    stack.enter_context(callback.inference_path())
+                return fn(*args, **kwargs)
+
+        return run
+
+    trainer.train, trainer.evaluate, trainer.predict = guarded_train, on_low_path(evaluate), on_low_path(predict)
+    trainer.__dict__[_GUARD] = kept
+    return kept
+
+
+def drop_orphan_carriers(trainer: Any) -> None:
+    """Remove the state carriers whose callback is no longer in the Trainer's list (the user removed the
+    callback): a run without it then saves checkpoints as a plain Trainer does."""
+    callbacks = trainer.callback_handler.callbacks
+    for carrier in [cb for cb in callbacks if isinstance(cb, GNMRState)]:
+        owner = getattr(carrier.source, "__self__", None)
+        if owner is not None and owner not in callbacks:
+            callbacks.remove(carrier)
+
+
+def is_accelerate_clip(accelerator: Any) -> bool:
+    """Whether ``accelerator.clip_grad_norm_`` is accelerate's own method (not replaced on the instance nor
+    overridden by a subclass)."""
+    from accelerate import Accelerator
+
+    if getattr(type(accelerator), "clip_grad_norm_", None) is not Accelerator.clip_grad_norm_:
+        return False
+    own = vars(accelerator).get("clip_grad_norm_")
+    # an instance attribute holding the method bound to this accelerator is still accelerate's own
+    return own is None or (getattr(own, "__func__", None) is Accelerator.clip_grad_norm_
+                           and getattr(own, "__self__", None) is accelerator)
+
+
+def take_over_clip(trainer: Any, callback: Any) -> bool:
+    """Route the Trainer's clip call (``accelerator.clip_grad_norm_``, its one norm pass per step) through
+    ``callback`` for the run that begins.
+
+    With accelerate's own method in place, the call is answered by ``callback.clip_grad_norm_`` (the fused
+    clip that yields the per-unit norms; 2-norms). When something else already replaced the method (another
+    library's wrapper), that wrapper is kept and called as before, once per call, with the same arguments;
+    ``callback.read_norms()`` first reads the per-unit norms of the unclipped gradients in a separate pass.
+    The routing passes calls straight on once the run has ended or the callback left the Trainer.
+
+    Returns:
+        ``True`` when the norms are read in a separate pass (a foreign clip method).
+    """
+    accelerator = trainer.accelerator
     give_back_clip(accelerator)  # a run that raised leaves its routing behind
+    foreign = not is_accelerate_clip(accelerator)
     original = accelerator.clip_grad_norm_
+    token = object()
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
-        if norm_type != 2 or callback._accelerator is not accelerator or callback._norms is None:
+        if callback.clip_token is not token or callback not in trainer.callback_handler.callbacks:
+            return original(parameters, max_norm, norm_type=norm_type)
+        if foreign or norm_type != 2:
+            callback.read_norms()
             return original(parameters, max_norm, norm_type=norm_type)
         return callback.clip_grad_norm_(parameters, max_norm)
 
     clip_grad_norm_.gnmr_original = original
+    clip_grad_norm_.gnmr_on_instance = "clip_grad_norm_" in vars(accelerator)
     accelerator.clip_grad_norm_ = clip_grad_norm_
+    callback.clip_token = token
+    return foreign
 
 
 def give_back_clip(accelerator: Any) -> None:
-    """Undo :func:`take_over_clip`."""
-    original = getattr(accelerator.clip_grad_norm_, "gnmr_original", None)
-    if original is not None:
+    """Undo :func:`take_over_clip` (when the routing is still the outermost replacement of the method): the
+    instance attribute it replaced is put back, or removed when there was none (the class's method again)."""
+    routing = vars(accelerator).get("clip_grad_norm_")
+    original = getattr(routing, "gnmr_original", None)
+    if original is None:
+        return
+    if routing.gnmr_on_instance:
         accelerator.clip_grad_norm_ = original
+    else:
+        del accelerator.clip_grad_norm_
+
+
+def effective_batch(args: Any, trainer: Any) -> int:
+    """Samples per optimizer step: per-device batch x gradient accumulation x data-parallel processes (the
+    Trainer's own count when there is a Trainer: the batch ``auto_find_batch_size`` settled on, without
+    tensor/context/sequence-parallel ranks)."""
+    if trainer is not None and callable(getattr(trainer, "get_total_train_batch_size", None)):
+        return int(trainer.get_total_train_batch_size(args))
+    return int(args.train_batch_size * args.gradient_accumulation_steps * args.world_size)
 
 
 def loss_scale(accelerator: Any) -> float:
