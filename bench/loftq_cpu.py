@@ -63,7 +63,7 @@ def loftq_on_the_weight_device():
 
 
 def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_name: str = "default",
-                                   account_for_scaling: bool = True) -> Any:
+                                   account_for_scaling: bool = True, callback: Any = None) -> Any:
     """PEFT's ``replace_lora_weights_loftq`` on the CPU (see the module docstring). Returns ``peft_model``.
 
     Args:
@@ -71,15 +71,22 @@ def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_nam
             (``lora_alpha / r``), so with ``lora_alpha != r`` the adapter adds ``scaling`` times the
             residual. True (LoftQ's intent): both factors are divided by ``sqrt(scaling)`` afterwards, so
             ``scaling * B A`` is the residual. False: PEFT's result as it is.
+        callback: PEFT's ``callback(model, module_name) -> bool`` (False rolls that module's LoRA back to
+            the weights it had before), e.g. to leave the linears that run in BF16 with the stock init.
     """
     from peft import replace_lora_weights_loftq
     from peft.tuners.lora import Linear4bit
 
     with loftq_on_the_weight_device():
-        replace_lora_weights_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name)
+        before = {id(m): m.lora_A[adapter_name].weight.data for m in peft_model.modules()
+                  if isinstance(m, Linear4bit) and adapter_name in m.lora_A}
+        replace_lora_weights_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name,
+                                   callback=callback)
     if account_for_scaling:
         for module in peft_model.modules():
-            if isinstance(module, Linear4bit) and adapter_name in module.lora_A:
+            # only the pairs LoftQ replaced (a rolled-back pair holds its old tensors again)
+            if isinstance(module, Linear4bit) and adapter_name in module.lora_A and \
+                    module.lora_A[adapter_name].weight.data is not before[id(module)]:
                 root = float(module.scaling[adapter_name]) ** 0.5
                 module.lora_A[adapter_name].weight.data /= root
                 module.lora_B[adapter_name].weight.data /= root

@@ -1,0 +1,597 @@
+"""What a byte of BF16 buys a QLoRA adapter: operator-level plans against random, GNMR and LoftQ.
+
+Every run fine-tunes the model the ``gnmr-nf4`` recipe builds (SmolLM2-135M-Instruct, bitsandbytes NF4
+base, LoRA r=8 on all seven projections, the recipe's data, optimizer and clipping), computing in FP32
+on this CPU (as bench/nf4_bench.py, for the same reason: BF16 matmuls are ~10x slower here), with a
+BF16 recovery path on every linear (``prepare_dual_path(..., units="linears")``: 210 units, 7 per
+layer). Methods differ only in which linears run their checkpoint weight instead of NF4, at a budget of
+extra BF16 bytes given as a share of the quantised weights' BF16 bytes (``-B`` in a name: B %):
+
+======================  ==========================================================================================
+method                  linears on the BF16 path
+======================  ==========================================================================================
+``nf4``                 none (plain QLoRA)
+``bf16``                all (BF16 LoRA)
+``loftq``               none; LoRA initialised by LoftQ (PEFT's own, bench/loftq_cpu.py), 0 extra bytes
+``prof-op-B``           the profiled plan: greedy by first-order gain per byte (gnmr_hf.profile), fixed
+``prof-layer-B``        the same profile summed per decoder layer, whole layers greedy per byte, fixed
+``rand-op-B``           a seeded random set of linears filling B, fixed for the run
+``rand-step-B``         a random set of linears filling B, drawn again every step
+``edge-B``              whole first and last decoder layers (0, 29, 1, 28, ...) filling B, fixed
+``gnmr-layer-B``        GNMR at decoder-layer grain, max_active = the layers B buys (the paper's controller)
+``gnmr-op-B``           GNMR at operator grain with the byte budget B (GNMRConfig.max_active_bytes)
+``hybrid-B``            the profiled plan at 3/4 of B on BF16 always, GNMR over the other linears with the
+                        remaining 1/4 (gnmr_hf.HybridPolicy)
+``loftq+prof-op-B``     the profiled plan at B, LoftQ on the linears that stay NF4
+======================  ==========================================================================================
+
+After training, the adapter's held-out loss (mean per response token over ``--eval-problems``
+generated test problems, disjoint from the training problems) is measured on two bases:
+
+- ``served``: the base it trained on, as a user serves it: for a fixed set, NF4 plus that set in BF16
+  (what ``llm_int8_skip_modules`` gives with stock transformers); for dynamic methods the all-NF4 base;
+- ``merged``: the original BF16 base (the adapter merged into, or served on, the original weights).
+
+Gap closed on a route = ``(L_nf4 - L) / (L_nf4 - L_bf16)`` per seed, with the same seed's ``nf4`` run on
+that route and its ``bf16`` run.
+
+Commands::
+
+    python bench/qlora_budget.py plan --out bench/results/qlora_budget --workers 2   # resumable
+    python bench/qlora_budget.py report --out bench/results/qlora_budget --plot docs/qlora_budget.png
+    python bench/qlora_budget.py run --method prof-op-10 --seed 0 --out /tmp/x    # one run
+
+One torch thread per run. A finished run has ``result.json``; ``plan`` skips it, claims a run by a lock
+file (a dead owner's lock is reclaimed; bench/nf4_bench.py's), runs it in a subprocess with its log
+beside the result, and runs the profile first (``profile.json``, shared by every seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import nf4_bench  # noqa: E402  (bench/ is scripts: the shared run plumbing lives there)
+
+RECIPE = ROOT / "recipes" / "smollm2-135m" / "nf4.yaml"  # plain QLoRA; the dual path is added here
+GNMR_RECIPE = ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"  # its gnmr block: thresholds, locks, window
+BUDGETS = (5, 10, 25)
+# the first tier: every reference and the 10 % column; then the price curve; then the rest
+TIER1 = ("bf16", "nf4", "prof-op-10", "rand-op-10", "gnmr-op-10", "hybrid-10", "loftq")
+TIER2 = ("prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25", "hybrid-5", "hybrid-25")
+TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "loftq+prof-op-10")
+METHODS = TIER1 + TIER2 + TIER3
+DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op", "hybrid")
+OPS_PER_LAYER = 7
+
+
+# ------------------------------------------------------------------------------------------ method sets
+
+
+def parse_method(method: str) -> tuple[str, int]:
+    """``"prof-op-10"`` -> ``("prof-op", 10)``; references have budget 0 (``bf16``: 100)."""
+    if method in ("nf4", "loftq"):
+        return method, 0
+    if method == "bf16":
+        return method, 100
+    kind, _, pct = method.rpartition("-")
+    if kind not in ("prof-op", "prof-layer", "rand-op", "rand-step", "edge", "gnmr-layer", "gnmr-op", "hybrid",
+                    "loftq+prof-op") or not pct.isdigit() or not 0 < int(pct) < 100:
+        raise SystemExit(f"unknown method {method!r} (known: {', '.join(METHODS)}, or another budget in %)")
+    return kind, int(pct)
+
+
+def greedy_fill(order: list[int], unit_bytes: list[int], budget: int) -> list[int]:
+    """Walk ``order`` and keep each unit that still fits in ``budget`` bytes (sorted result)."""
+    chosen, used = [], 0
+    for u in order:
+        if used + unit_bytes[u] <= budget:
+            chosen.append(u)
+            used += unit_bytes[u]
+    return sorted(chosen)
+
+
+def layer_units(layers: list[int], ops: int = OPS_PER_LAYER) -> list[int]:
+    return sorted(u for b in layers for u in range(b * ops, (b + 1) * ops))
+
+
+def by_score_per_byte(scores: list[float], unit_bytes: list[int]) -> list[int]:
+    """Units with a positive score, best score per byte first (ties to the lower index)."""
+    return sorted((u for u, s in enumerate(scores) if s > 0), key=lambda u: (-scores[u] / unit_bytes[u], u))
+
+
+def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] | None, seed: int) -> list[int]:
+    """The fixed set of a static method at ``pct`` % of the bytes."""
+    total = sum(unit_bytes)
+    budget = total * pct // 100
+    U = len(unit_bytes)
+    if kind in ("prof-op", "loftq+prof-op"):
+        return greedy_fill(by_score_per_byte(scores, unit_bytes), unit_bytes, budget)
+    if kind == "hybrid":  # the planned part: 3/4 of the budget
+        return greedy_fill(by_score_per_byte(scores, unit_bytes), unit_bytes, total * pct * 3 // 400)
+    L = U // OPS_PER_LAYER
+    layer_bytes = [sum(unit_bytes[b * OPS_PER_LAYER:(b + 1) * OPS_PER_LAYER]) for b in range(L)]
+    if kind == "prof-layer":
+        layer_scores = [sum(scores[b * OPS_PER_LAYER:(b + 1) * OPS_PER_LAYER]) for b in range(L)]
+        return layer_units(greedy_fill(by_score_per_byte(layer_scores, layer_bytes), layer_bytes, budget))
+    if kind == "edge":
+        order = [b for pair in zip(range(L), reversed(range(L))) for b in pair]
+        return layer_units(greedy_fill(list(dict.fromkeys(order)), layer_bytes, budget))
+    if kind == "rand-op":
+        order = list(range(U))
+        random.Random(1000 + seed).shuffle(order)
+        return greedy_fill(order, unit_bytes, budget)
+    raise ValueError(f"{kind} has no fixed set")
+
+
+class RandomBytesPolicy:
+    """A random set of units filling a byte budget, drawn again every step (seeded; a trigger policy)."""
+
+    name = "random_bytes"
+    needs_microbatch_norms = False
+
+    def __init__(self, num_units: int, unit_bytes: list[int], budget: int, seed: int) -> None:
+        self.num_units, self.unit_bytes, self.budget, self.seed = num_units, list(unit_bytes), int(budget), seed
+        self.t = 0
+        self.sets: list[list[int]] = []
+        self.last_record: dict[str, Any] | None = None
+
+    def _draw(self, t: int) -> list[int]:
+        order = list(range(self.num_units))
+        random.Random(self.seed * 100_003 + t).shuffle(order)
+        return greedy_fill(order, self.unit_bytes, self.budget)
+
+    def _mask(self, units: list[int]):
+        import torch
+
+        mask = torch.zeros(self.num_units, dtype=torch.bool)
+        mask[units] = True
+        return mask
+
+    def initial_mask(self):
+        return self._mask(self._draw(1))
+
+    def step(self, norms):
+        self.t += 1
+        units = self._draw(self.t + 1)
+        self.sets.append(units)
+        self.last_record = {"step": self.t, "active": units,
+                            "active_bytes": sum(self.unit_bytes[u] for u in units), "budget_bytes": self.budget}
+        return self._mask(units)
+
+    def summary(self) -> dict[str, Any]:
+        used = [sum(self.unit_bytes[u] for u in s) for s in self.sets] or [0]
+        return {"steps": self.t, "mean_active_bytes": statistics.mean(used), "peak_active_bytes": max(used)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "seed": self.seed, "budget": self.budget}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed or state["budget"] != self.budget:
+            raise ValueError(f"state is for seed {state['seed']} / budget {state['budget']}")
+        self.t = int(state["t"])
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def profile_path(out_root: Path) -> Path:
+    return out_root / "profile.json"
+
+
+def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, Any]:
+    """Score every linear on the first ``batches`` training batches (the default criterion of
+    :func:`gnmr_hf.profile_sensitivity`) and write ``profile.json`` (atomically)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import gnmr_hf
+
+    model, tokenizer, recipe, model_path = build(out_root / "profile_run", seed=0, steps=1, data_dir=out_root / "data")
+    train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_run")
+    collate = _collator(tokenizer)
+    bs = recipe.training.per_device_train_batch_size
+    data = [collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]) for i in range(batches)]
+    t0 = time.perf_counter()
+    prof = gnmr_hf.profile_sensitivity(model, data)
+    seconds = time.perf_counter() - t0
+    criterion = prof.default_criterion if hasattr(prof, "default_criterion") else None
+    units = prof.to_dict()["units"]
+    scores = [float(u["score"]) for u in units]
+    result = {"criterion": criterion, "batches": batches, "seconds": round(seconds, 1),
+              "units": [{"name": u["name"], "bytes": int(u["bytes"]), "score": s} for u, s in zip(units, scores)]}
+    tmp = profile_path(out_root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, profile_path(out_root))
+    return result
+
+
+# -------------------------------------------------------------------------------------------- one run
+
+
+def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32"):
+    """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import finetune
+    import torch
+    from transformers import AutoTokenizer, set_seed
+
+    import gnmr_hf
+
+    recipe = finetune.load_config(["--config", str(RECIPE), "--output_dir", str(out), "--seed", str(seed),
+                                   "--max_steps", str(steps), "--data_dir", str(data_dir), "--report_to", "none",
+                                   "--disable_tqdm", "true", "--compute_dtype", compute_dtype])
+    set_seed(seed)
+    model_path = finetune.resolve_model_path(recipe.script.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = finetune.load_model(recipe, model_path)  # NF4 + LoRA (PEFT), bitsandbytes' reference layout
+    gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage="host", units="linears",
+                              dtype=getattr(torch, compute_dtype))
+    return model, tokenizer, recipe, model_path
+
+
+def _train_dataset(recipe, tokenizer, out: Path):
+    import finetune
+
+    return finetune.tokenize_dataset(recipe.script, finetune.load_records(recipe.script, str(out)), tokenizer)
+
+
+def _collator(tokenizer):
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+
+
+def unit_bytes_of(units) -> list[int]:
+    """Each unit's BF16 bytes: what keeping its weight in BF16 costs."""
+    from gnmr_hf.backends.base import dual_path_modules
+
+    out = []
+    for _, unit in units:
+        out.append(sum(2 * m.in_features * m.out_features for m in dual_path_modules(unit)))
+    return out
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from transformers import Trainer, TrainerCallback
+
+    import gnmr_hf
+    from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
+    from gnmr_hf.core.controller import GNMRConfig, GNMRController
+    from gnmr_hf.core.policies import HybridPolicy, StaticSetPolicy
+    from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
+    from gnmr_hf.units import find_decoder_layers, resolve_units
+
+    kind, pct = parse_method(args.method)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    out_root = out.parent.parent
+    data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
+    model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir)
+    units = resolve_units(model)  # the linears (recorded by prepare_dual_path)
+    U = len(units)
+    ub = unit_bytes_of(units)
+    total = sum(ub)
+    budget = total * pct // 100
+    scores = None
+    if kind in ("prof-op", "prof-layer", "hybrid", "loftq+prof-op"):
+        prof = json.loads(profile_path(out_root).read_text())
+        if [u["name"] for u in prof["units"]] != [gnmr_hf.units.short_name(n) for n, _ in units]:
+            raise SystemExit("profile.json names other units than this model's")
+        scores = [u["score"] for u in prof["units"]]
+
+    import finetune
+
+    gnmr_cfg = finetune.load_config(["--config", str(GNMR_RECIPE)]).gnmr.config  # thresholds, locks, window
+    callback_units = None
+    planned: list[int] = []
+    if kind == "bf16":
+        planned = list(range(U))
+    elif kind in ("nf4", "loftq"):
+        planned = []
+    elif kind in ("prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op"):
+        planned = static_set(kind, pct, ub, scores, args.seed)
+    if kind in ("bf16", "nf4", "loftq", "prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op"):
+        policy = StaticSetPolicy(U, planned, max_active=max(1, len(planned)), unit_bytes=ub)
+    elif kind == "rand-step":
+        policy = RandomBytesPolicy(U, ub, budget, seed=1000 + args.seed)
+    elif kind == "gnmr-op":
+        policy = GNMRController(U, GNMRConfig(**{**gnmr_cfg.to_dict(), "max_active": U, "max_active_bytes": budget}),
+                                unit_bytes=ub)
+    elif kind == "hybrid":
+        planned = static_set(kind, pct, ub, scores, args.seed)
+        rest = budget - sum(ub[u] for u in planned)
+        policy = HybridPolicy(U, planned, GNMRConfig(**{**gnmr_cfg.to_dict(), "max_active": U, "max_active_bytes": rest}),
+                              unit_bytes=ub)
+    elif kind == "gnmr-layer":
+        layers = find_decoder_layers(model)
+        layer_bytes = total // len(layers)
+        k = max(1, budget // layer_bytes)
+        callback_units = [n for n, _ in layers]
+        policy = GNMRController(len(layers), GNMRConfig(**{**gnmr_cfg.to_dict(), "max_active": k}))
+    if kind.startswith("loftq"):
+        from loftq_cpu import replace_lora_weights_loftq_cpu
+
+        keep = {gnmr_hf.units.short_name(units[u][0]) for u in planned}
+        t0 = time.perf_counter()
+        # LoftQ on the linears that stay NF4; one on BF16 keeps the stock init (no quantisation error there)
+        replace_lora_weights_loftq_cpu(model, model_path,
+                                       callback=lambda _m, name: gnmr_hf.units.short_name(name) not in keep)
+        loftq_s = time.perf_counter() - t0
+    else:
+        loftq_s = 0.0
+
+    callback = gnmr_hf.GNMRCallback(policy=policy, units=callback_units)
+    step_times: list[float] = []
+    recovery_bytes: list[int] = []
+    active_per_step: list[list[int]] = []
+
+    class Bench(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+            active_per_step.append(active_units(model, units))
+            recovery_bytes.append(recovery_device_bytes(model))
+
+        def on_step_end(self, a, state, control, **kw):
+            step_times.append(time.perf_counter() - self.t0)
+
+    train_ds = _train_dataset(recipe, tokenizer, out)
+    trainer = Trainer(model=model, args=recipe.training, train_dataset=train_ds, data_collator=_collator(tokenizer),
+                      callbacks=[Bench(), callback])
+    start = time.time()
+    trainer.train()
+    train_s = time.time() - start
+
+    script = recipe.script
+    test = [json.loads(line) for line in
+            (write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
+             / "test.jsonl").read_text().splitlines()][:args.eval_problems]
+    served_set = [] if kind in DYNAMIC else planned
+    set_active_units(model, served_set, units)
+    loss_served = nf4_bench.heldout_loss(model, tokenizer, test, script)
+    set_active_units(model, list(range(U)), units)
+    loss_merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
+    set_active_units(model, [], units)
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    used = [sum(ub[u] for u in a) for a in active_per_step]
+    result: dict[str, Any] = {
+        "method": args.method, "kind": kind, "budget_pct": pct, "seed": args.seed, "steps": args.steps,
+        "num_units": U, "total_bf16_bytes": total, "budget_bytes": budget,
+        "planned": [gnmr_hf.units.short_name(units[u][0]) for u in planned], "served_set_size": len(served_set),
+        "served_set_bytes": sum(ub[u] for u in served_set),
+        "train_losses": losses, "heldout_loss_served": loss_served, "heldout_loss_merged": loss_merged,
+        "eval_problems": len(test), "mean_active_bytes": statistics.mean(used), "peak_active_bytes": max(used),
+        "mean_active": statistics.mean(len(a) for a in active_per_step),
+        "active_per_step": active_per_step, "peak_recovery_bytes": max(recovery_bytes),
+        "step_s_median": statistics.median(step_times), "step_s": step_times, "train_wall_s": round(train_s, 1),
+        "loftq_s": round(loftq_s, 1), "summary": json.loads((out / "gnmr_summary.json").read_text()),
+        "threads": torch.get_num_threads(),
+    }
+    tmp = out / ".result.json.tmp"
+    tmp.write_text(json.dumps(result) + "\n")
+    os.replace(tmp, out / "result.json")
+    print(f"{args.method} seed {args.seed}: held-out loss served {loss_served:.4f}, merged {loss_merged:.4f}, "
+          f"mean BF16 bytes {result['mean_active_bytes'] / total:.3f} of the quantised weights, "
+          f"step {result['step_s_median']:.2f} s")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tuple[str, int]]:
+    """Tier by tier (each tier over every seed), so that an interrupted table is complete column-wise."""
+    runs = []
+    for tier in (TIER1, TIER2, TIER3):
+        for s in seeds:
+            runs += [(m, s) for m in tier if m in methods]
+    return runs
+
+
+def needs_profile(method: str) -> bool:
+    return parse_method(method)[0] in ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
+
+
+def plan(args: argparse.Namespace) -> None:
+    seeds = [int(s) for s in args.seeds.split(",")]
+    methods = tuple(args.methods.split(",")) if args.methods else METHODS
+    for m in methods:
+        parse_method(m)
+    runs = plan_runs(seeds, methods)
+    out = Path(args.out)
+    if args.workers > 1 and not args.worker:
+        procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(w)])
+                 for w in range(args.workers)]
+        sys.exit(max(p.wait() for p in procs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    failed: set[tuple[str, int]] = set()
+    while True:
+        pending = [r for r in runs if not (out / r[0] / f"seed{r[1]}" / "result.json").is_file() and r not in failed]
+        if not pending:
+            break
+        took = False
+        if not profile_path(out).is_file() and any(needs_profile(m) for m, _ in pending) and ("profile", -1) not in failed:
+            run_dir = out / "profile_run"
+            if nf4_bench._claim(run_dir):
+                took = True
+                print(f"[{time.strftime('%H:%M:%S')}] profiling", flush=True)
+                cmd = [sys.executable, __file__, "profile", "--out", str(out), "--batches", str(args.profile_batches)]
+                with open(run_dir / "log.txt", "a") as log:
+                    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+                (run_dir / "run.lock").unlink(missing_ok=True)
+                if rc != 0:
+                    print(f"  profile failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+                    failed.add(("profile", -1))
+                continue
+        ready = [r for r in pending if not needs_profile(r[0]) or profile_path(out).is_file()]
+        for method, seed in ready:
+            run_dir = out / method / f"seed{seed}"
+            if not nf4_bench._claim(run_dir):
+                continue
+            took = True
+            cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(seed), "--out", str(run_dir),
+                   "--steps", str(args.steps), "--eval-problems", str(args.eval_problems), "--data-dir", str(out / "data")]
+            print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
+                  f"seed {seed}", flush=True)
+            with open(run_dir / "log.txt", "a") as log:
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            (run_dir / "run.lock").unlink(missing_ok=True)
+            if rc != 0:
+                print(f"  {method} seed {seed} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+                failed.add((method, seed))
+            break
+        if not took:
+            if not ready and ("profile", -1) in failed:
+                break
+            time.sleep(20)  # the other worker holds what is ready
+    print("plan complete" + (f"; failed: {sorted(failed)}" if failed else ""), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def collect(out: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for path in sorted(out.glob("*/seed*/result.json")):
+        r = json.loads(path.read_text())
+        runs.setdefault(r["method"], {})[r["seed"]] = r
+    return runs
+
+
+def gap_closed(runs, method: str, route: str) -> list[float]:
+    """Per seed ``(L_nf4 - L) / (L_nf4 - L_bf16)`` on ``route`` (``"served"`` or ``"merged"``), with that
+    seed's ``nf4`` run on the same route and its ``bf16`` run (the same on both routes)."""
+    key = f"heldout_loss_{route}"
+    vals = []
+    for seed, r in sorted(runs.get(method, {}).items()):
+        lo, hi = runs.get("nf4", {}).get(seed), runs.get("bf16", {}).get(seed)
+        if lo is None or hi is None or lo[key] == hi["heldout_loss_merged"]:
+            continue
+        vals.append((lo[key] - r[key]) / (lo[key] - hi["heldout_loss_merged"]))
+    return vals
+
+
+def report(args: argparse.Namespace) -> str:
+    out = Path(args.out)
+    runs = collect(out)
+    if not runs:
+        return f"no finished run under {out}"
+    med = nf4_bench._med_range
+    any_run = next(iter(next(iter(runs.values())).values()))
+    lines = [f"Held-out loss per response token ({any_run['eval_problems']} generated test problems, "
+             f"{any_run['steps']} steps), median [min, max] over seeds; gap closed = (L_nf4 - L) / (L_nf4 - L_bf16) "
+             "per seed and route. served: the base the adapter trained on (NF4 + the fixed set in BF16; all-NF4 "
+             "for dynamic methods); merged: the original BF16 base. Extra bytes: BF16 bytes on the recovery path "
+             "as a share of the quantised weights' BF16 bytes (served set; mean and peak during training).", "",
+             "| method | seeds | served bytes | mean / peak training bytes | loss served | gap closed served "
+             "| loss merged | gap closed merged | step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS))
+    for m in order:
+        rs = list(runs[m].values())
+        total = rs[0]["total_bf16_bytes"]
+        lines.append("| " + " | ".join([
+            m, str(len(rs)), f"{statistics.median(r['served_set_bytes'] for r in rs) / total:.3f}",
+            f"{statistics.median(r['mean_active_bytes'] for r in rs) / total:.3f} / "
+            f"{max(r['peak_active_bytes'] for r in rs) / total:.3f}",
+            med([r["heldout_loss_served"] for r in rs]), med(gap_closed(runs, m, "served"), ".2f"),
+            med([r["heldout_loss_merged"] for r in rs]), med(gap_closed(runs, m, "merged"), ".2f"),
+            med([r["step_s_median"] for r in rs], ".2f"),
+        ]) + " |")
+    text = "\n".join(lines)
+    if args.plot:
+        plot(runs, args.plot)
+    return text
+
+
+def plot(runs, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    families = {"profiled operators": "prof-op", "random operators (fixed)": "rand-op", "hybrid": "hybrid"}
+    singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10")
+    for ax, route in zip(axes, ("served", "merged")):
+        for label, kind in families.items():
+            xs, ys, lo, hi = [], [], [], []
+            for pct in BUDGETS:
+                g = gap_closed(runs, f"{kind}-{pct}", route)
+                if g:
+                    xs.append(pct)
+                    ys.append(statistics.median(g))
+                    lo.append(ys[-1] - min(g))
+                    hi.append(max(g) - ys[-1])
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
+        for m in singles:
+            g = gap_closed(runs, m, route)
+            if g:
+                x = parse_method(m)[1]
+                ax.scatter([x] * len(g), g, s=25, label=m, zorder=3)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.set_xlabel("extra BF16 bytes, % of the quantised weights")
+        ax.set_title(f"gap closed, {route} route (median, range over seeds)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one run")
+    r.add_argument("--method", required=True)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True)
+    r.add_argument("--data-dir", default=None)
+    r.add_argument("--threads", type=int, default=1)
+    pl = sub.add_parser("plan", help="every run, resumable")
+    for q in (r, pl):
+        q.add_argument("--steps", type=int, default=30)
+        q.add_argument("--eval-problems", type=int, default=48)
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--seeds", default="0,1,2")
+    pl.add_argument("--methods", default=None, help="comma-separated subset (default: all, tier by tier)")
+    pl.add_argument("--profile-batches", type=int, default=2)
+    pl.add_argument("--workers", type=int, default=1)
+    pl.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    pf = sub.add_parser("profile", help="the sensitivity profile the planned methods use")
+    pf.add_argument("--out", required=True)
+    pf.add_argument("--batches", type=int, default=2)
+    rp = sub.add_parser("report", help="the table (and a plot)")
+    rp.add_argument("--out", required=True)
+    rp.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        run_one(args)
+    elif args.cmd == "plan":
+        plan(args)
+    elif args.cmd == "profile":
+        make_profile(Path(args.out), args.batches)
+    else:
+        print(report(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

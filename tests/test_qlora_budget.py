@@ -1,0 +1,111 @@
+"""bench/qlora_budget.py: method sets, equal-bytes accounting, plan order, resume and report arithmetic,
+on fake runs with values worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import load_bench
+
+qb = load_bench("qlora_budget")
+
+
+def test_greedy_fill_skips_what_does_not_fit():
+    # bytes 10, 1, 1, 5 and 6 bytes, in order 0..3: 0 does not fit, 1 and 2 do (2 bytes), 3 would make 7
+    assert qb.greedy_fill([0, 1, 2, 3], [10, 1, 1, 5], 6) == [1, 2]
+    assert qb.greedy_fill([3, 0, 1, 2], [10, 1, 1, 5], 6) == [1, 3]
+    assert qb.greedy_fill([0, 1], [10, 1], 0) == []
+
+
+def test_score_per_byte_order_and_profiled_sets():
+    # 2 layers x 7 ops; bytes: attention ops 1, MLP ops 4 (total 2 * (4 + 12) = 32)
+    ub = [1, 1, 1, 1, 4, 4, 4] * 2
+    scores = [0.0] * 14
+    scores[2], scores[9], scores[6], scores[13] = 0.5, 0.3, 1.0, -1.0  # v0: 0.5/B, v1... ; down0: 0.25/B
+    scores[1] = 0.5  # k0 ties v0 per byte: lower index first
+    assert qb.by_score_per_byte(scores, ub) == [1, 2, 9, 6]  # 0.5, 0.5, 0.3, 0.25 per byte; -1 never
+    # 10 % of 32 bytes = 3: k0, v0, o1 (1 byte each)
+    assert qb.static_set("prof-op", 10, ub, scores, seed=0) == [1, 2, 9]
+    # 25 %: 8 bytes: k0, v0, o1 (3), down0 (4 -> 7)
+    assert qb.static_set("prof-op", 25, ub, scores, seed=0) == [1, 2, 6, 9]
+    # hybrid plans 3/4 of the budget: 25 % -> 6 bytes: k0, v0, o1 (down0 would make 7)
+    assert qb.static_set("hybrid", 25, ub, scores, seed=0) == [1, 2, 9]
+    # by layer: layer 0 scores 2.0 over 16 bytes, layer 1 scores -0.7: only layer 0, and only from 50 %
+    assert qb.static_set("prof-layer", 50, ub, scores, seed=0) == list(range(7))
+    assert qb.static_set("prof-layer", 25, ub, scores, seed=0) == []
+
+
+def test_edge_and_random_sets_respect_the_bytes():
+    ub = [2] * 7 * 4  # 4 layers of 14 bytes; total 56
+    assert qb.static_set("edge", 50, ub, None, seed=0) == list(range(7)) + list(range(21, 28))  # layers 0, 3
+    assert qb.static_set("edge", 25, ub, None, seed=0) == list(range(7))  # 14 bytes: layer 0 only
+    a = qb.static_set("rand-op", 10, ub, None, seed=0)
+    assert sum(ub[u] for u in a) <= 5 and len(a) == 2  # 10 % of 56 = 5 bytes: two 2-byte units
+    assert a == qb.static_set("rand-op", 10, ub, None, seed=0) != qb.static_set("rand-op", 10, ub, None, seed=1)
+
+
+def test_random_bytes_policy_redraws_within_the_budget_and_resumes():
+    torch = pytest.importorskip("torch")
+    ub = [1, 2, 3, 4, 5]
+    p = qb.RandomBytesPolicy(5, ub, budget=6, seed=3)
+    masks = [p.initial_mask()] + [p.step(torch.ones(5)) for _ in range(6)]
+    for m in masks:
+        assert sum(ub[u] for u in m.nonzero().flatten().tolist()) <= 6
+    assert len({tuple(m.tolist()) for m in masks}) > 1  # drawn again
+    q = qb.RandomBytesPolicy(5, ub, budget=6, seed=3)
+    q.load_state_dict(json.loads(json.dumps(p.state_dict())))
+    assert q.step(torch.ones(5)).tolist() == p.step(torch.ones(5)).tolist()
+    with pytest.raises(ValueError, match="seed"):
+        qb.RandomBytesPolicy(5, ub, budget=6, seed=4).load_state_dict(p.state_dict())
+
+
+def test_parse_method_and_unknown_methods():
+    assert qb.parse_method("prof-op-10") == ("prof-op", 10)
+    assert qb.parse_method("loftq+prof-op-10") == ("loftq+prof-op", 10)
+    assert qb.parse_method("bf16") == ("bf16", 100) and qb.parse_method("nf4") == ("nf4", 0)
+    for bad in ("prof-10", "prof-op-100", "prof-op-x", "gnmr"):
+        with pytest.raises(SystemExit, match="unknown method"):
+            qb.parse_method(bad)
+    assert all(qb.parse_method(m) for m in qb.METHODS)
+
+
+def test_plan_is_tier_by_tier_over_seeds():
+    runs = qb.plan_runs([0, 1], ("bf16", "nf4", "prof-op-5", "edge-10"))
+    assert runs == [("bf16", 0), ("nf4", 0), ("bf16", 1), ("nf4", 1), ("prof-op-5", 0), ("prof-op-5", 1),
+                    ("edge-10", 0), ("edge-10", 1)]
+    assert qb.needs_profile("hybrid-10") and qb.needs_profile("loftq+prof-op-10") and not qb.needs_profile("rand-op-10")
+
+
+def _result(root, method, seed, served, merged, served_bytes=0, total=100):
+    d = root / method / f"seed{seed}"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps({
+        "method": method, "seed": seed, "steps": 3, "eval_problems": 4, "total_bf16_bytes": total,
+        "served_set_bytes": served_bytes, "mean_active_bytes": served_bytes, "peak_active_bytes": served_bytes,
+        "heldout_loss_served": served, "heldout_loss_merged": merged, "step_s_median": 1.0}))
+
+
+def test_gap_closed_per_route_and_report(tmp_path):
+    for seed, shift in ((0, 0.0), (1, 0.1)):
+        _result(tmp_path, "bf16", seed, 1.0 + shift, 1.0 + shift, 100)
+        _result(tmp_path, "nf4", seed, 2.0 + shift, 1.6 + shift)  # QLoRA: 2.0 served, 1.6 merged
+        _result(tmp_path, "prof-op-10", seed, 1.5 + shift, 1.3 + shift, 10)
+    runs = qb.collect(tmp_path)
+    # served: (2 - 1.5) / (2 - 1) = 0.5; merged: (1.6 - 1.3) / (1.6 - 1) = 0.5 (both seeds)
+    assert qb.gap_closed(runs, "prof-op-10", "served") == pytest.approx([0.5, 0.5])
+    assert qb.gap_closed(runs, "prof-op-10", "merged") == pytest.approx([0.5, 0.5])
+    assert qb.gap_closed(runs, "nf4", "served") == [0.0, 0.0]
+    assert qb.gap_closed(runs, "bf16", "merged") == [1.0, 1.0]
+    text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None})())
+    row = next(line for line in text.splitlines() if line.startswith("| prof-op-10 "))
+    assert "| 0.100 |" in row and "0.50 [0.50, 0.50]" in row
+
+
+def test_a_missing_reference_seed_is_left_out(tmp_path):
+    _result(tmp_path, "bf16", 0, 1.0, 1.0, 100)
+    _result(tmp_path, "nf4", 0, 2.0, 2.0)
+    _result(tmp_path, "rand-op-10", 0, 1.9, 1.8, 10)
+    _result(tmp_path, "rand-op-10", 1, 1.0, 1.0, 10)  # no seed-1 references: not scored
+    assert qb.gap_closed(qb.collect(tmp_path), "rand-op-10", "served") == pytest.approx([0.1])
