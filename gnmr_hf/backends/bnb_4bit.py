@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from gnmr_hf._import_utils import require
@@ -50,7 +51,22 @@ import bitsandbytes as bnb  # noqa: E402
 
 _LOAD_HINT = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))"
 
-__all__ = ["STORAGES", "DualPathLinear4bit", "is_repacked", "keep_reference_layout", "prepare_dual_path"]
+__all__ = [
+    "FP4_SOURCE_TOLERANCE",
+    "NF4_SOURCE_TOLERANCE",
+    "STORAGES",
+    "DualPathLinear4bit",
+    "dequantize_4bit",
+    "is_repacked",
+    "keep_reference_layout",
+    "prepare_dual_path",
+]
+
+#: the source check's thresholds on ``||W_4bit - W_rec|| / ||W_rec||`` (docs/design.md, section 4): the
+#: checkpoint the model was loaded from gives at most 0.10 (NF4) and 0.15 (FP4) on a tiny random LLaMA
+#: and SmolLM2-135M, a checkpoint of the same shapes with other weights at least 1.05 (1.4 typically)
+NF4_SOURCE_TOLERANCE = 0.4
+FP4_SOURCE_TOLERANCE = 0.4
 
 
 _REPACKED = (
@@ -89,6 +105,21 @@ def keep_reference_layout(model: nn.Module) -> int:
     return len(layers)
 
 
+def dequantize_4bit(module: nn.Module) -> tuple[str, torch.Tensor | None]:
+    """The quantisation type (``"nf4"``/``"fp4"``) of a ``Linear4bit`` and its weight de-quantised by
+    bitsandbytes (``bitsandbytes.functional.dequantize_4bit``, on the weight's device; reads the weight, changes
+    nothing); the weight itself if it is not quantised yet; ``None`` if it cannot be read (meta device,
+    repacked for the CPU inference kernel)."""
+    w = module.weight
+    state = getattr(w, "quant_state", None)
+    quant_type = str(getattr(state, "quant_type", None) or getattr(w, "quant_type", "nf4"))
+    if w.device.type == "meta" or is_repacked(module):
+        return quant_type, None
+    if state is None:
+        return quant_type, (w.data if w.dtype.is_floating_point else None)
+    return quant_type, bnb.functional.dequantize_4bit(w.data, state)
+
+
 class DualPathLinear4bit(CheckpointRecovery, bnb.nn.Linear4bit):
     """A bitsandbytes ``Linear4bit`` (NF4 or FP4) that can run on the checkpoint's original BF16 weight.
 
@@ -98,10 +129,16 @@ class DualPathLinear4bit(CheckpointRecovery, bnb.nn.Linear4bit):
     ``F.linear(x, W_bf16, bias)`` (see :class:`~gnmr_hf.backends.recovery.CheckpointRecovery`).
     """
 
+    source_tolerances = {"nf4": NF4_SOURCE_TOLERANCE, "fp4": FP4_SOURCE_TOLERANCE}
+
     @classmethod
     def check_convertible(cls, module: nn.Module, name: str) -> None:
         if is_repacked(module):
             raise ValueError(_REPACKED.format(name=name))
+
+    @classmethod
+    def low_weight(cls, module: nn.Module) -> tuple[str, torch.Tensor | None]:
+        return dequantize_4bit(module)
 
     @classmethod
     def convert(cls, module: nn.Module, source: Any) -> nn.Module:
@@ -124,7 +161,7 @@ def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kw
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others NF4
 
     Every layer starts on the low-cost 4-bit path. The arguments (``storage``, ``units``,
-    ``dtype`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
+    ``dtype``, ``check_source`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
     which calls this for a model holding ``Linear4bit`` layers.
     """
     return attach_recovery(model, recovery_source, DualPathLinear4bit, _LOAD_HINT, **kwargs)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from gnmr_hf._import_utils import require
@@ -40,7 +41,29 @@ import bitsandbytes as bnb  # noqa: E402
 
 _LOAD_HINT = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True))"
 
-__all__ = ["STORAGES", "DualPathLinear8bitLt", "prepare_dual_path"]
+__all__ = ["INT8_SOURCE_TOLERANCE", "STORAGES", "DualPathLinear8bitLt", "dequantize_int8", "prepare_dual_path"]
+
+#: the source check's threshold on ``||W_int8 - W_rec|| / ||W_rec||`` (docs/design.md, section 4): the
+#: checkpoint the model was loaded from gives at most 0.007 (tiny random LLaMA) and 0.012 (SmolLM2-135M),
+#: a checkpoint of the same shapes with other weights at least 1.05 (1.4 typically)
+INT8_SOURCE_TOLERANCE = 0.1
+
+
+def dequantize_int8(module: nn.Module) -> torch.Tensor | None:
+    """The weight of a ``Linear8bitLt`` as LLM.int8() computes with it: ``CB * SCB[:, None] / 127`` (float32,
+    on the weight's device), the row scales read from the weight or, after a forward, from the layer's
+    ``state``; the weight itself if it was kept unquantised; ``None`` if it cannot be read (meta device)."""
+    w = module.weight
+    if w.device.type == "meta":
+        return None
+    if w.dtype.is_floating_point:  # llm_int8_has_fp16_weight=True: nothing quantised
+        return w.data
+    scb = getattr(w, "SCB", None)
+    if scb is None:
+        scb = getattr(getattr(module, "state", None), "SCB", None)
+    if scb is None:
+        return None
+    return w.data.to(torch.float32) * (scb.to(torch.float32) / 127.0)[:, None]
 
 
 class DualPathLinear8bitLt(CheckpointRecovery, bnb.nn.Linear8bitLt):
@@ -50,6 +73,12 @@ class DualPathLinear8bitLt(CheckpointRecovery, bnb.nn.Linear8bitLt):
     place, keeping their quantised weight. ``recovery`` False: the stock bnb INT8 forward.
     ``recovery`` True: ``F.linear(x, W_bf16, bias)`` (see :class:`~gnmr_hf.backends.recovery.CheckpointRecovery`).
     """
+
+    source_tolerances = {"int8": INT8_SOURCE_TOLERANCE}
+
+    @classmethod
+    def low_weight(cls, module: nn.Module) -> tuple[str, torch.Tensor | None]:
+        return "int8", dequantize_int8(module)
 
 
 def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kwargs: Any) -> nn.Module:
@@ -64,7 +93,7 @@ def prepare_dual_path(model: nn.Module, recovery_source: str | os.PathLike, **kw
         gnmr_hf.set_active_units(model, [3, 7])               # layers 3 and 7 on BF16, others INT8
 
     Every layer starts on the low-cost INT8 path. The arguments (``storage``, ``units``,
-    ``dtype`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
+    ``dtype``, ``check_source`` as keywords), storage modes and errors are those of :func:`gnmr_hf.prepare_dual_path`,
     which calls this for a model holding ``Linear8bitLt`` layers.
     """
     return attach_recovery(model, recovery_source, DualPathLinear8bitLt, _LOAD_HINT, **kwargs)

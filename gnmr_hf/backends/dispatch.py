@@ -69,7 +69,11 @@ def find_backend(model: nn.Module) -> Backend:
 
 
 def prepare_dual_path(
-    model: nn.Module, recovery_source: str | os.PathLike, storage: str = "host", **kwargs: Any
+    model: nn.Module,
+    recovery_source: str | os.PathLike,
+    storage: str = "host",
+    check_source: bool = True,
+    **kwargs: Any,
 ) -> nn.Module:
     """Give every decoder layer of a quantised model a BF16 recovery path read from ``recovery_source``.
 
@@ -98,6 +102,12 @@ def prepare_dual_path(
         storage: where the BF16 weights live between promotions: ``"host"`` (CPU memory, pinned with
             CUDA; copied to the device at promotion), ``"device"`` (always resident) or ``"disk"`` (read
             from the safetensors file at each promotion); see :mod:`gnmr_hf.backends.recovery`.
+        check_source: before anything is converted, compare every layer's de-quantised low-cost weight
+            with its recovery tensor and refuse a ``recovery_source`` the model was not loaded from (a
+            relative error ``||W_low - W_rec|| / ||W_rec||`` above the low path's threshold: INT8
+            ``bnb_int8.INT8_SOURCE_TOLERANCE``, NF4/FP4 ``bnb_4bit.NF4_SOURCE_TOLERANCE`` /
+            ``FP4_SOURCE_TOLERANCE``; see docs/design.md). Costs one de-quantisation per layer, on the
+            weights already in memory (``"disk"``: each tensor is read once). False skips it.
         **kwargs: ``units`` (which modules are the units: the decoder layers by default, ``"linears"``
             for every linear inside them, each its own unit; see :func:`gnmr_hf.units.resolve_units`;
             a string grain is recorded on the model, so the callback and ``set_active_units`` use the
@@ -110,11 +120,13 @@ def prepare_dual_path(
     Raises:
         ValueError: the model holds no supported layer (the message names what it found); unknown
             ``storage`` or ``dtype``; a recovery tensor missing from the checkpoint or of the wrong
-            shape (the message names it); a PEFT model with DoRA adapters.
+            shape (the message names it); a PEFT model with DoRA adapters; with ``check_source``, a
+            checkpoint whose weights are not those the model was quantised from (the message names the
+            first layer that differs, its relative error and the threshold).
         FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
     """
     backend = find_backend(model)
     prepare = importlib.import_module(backend.module).prepare_dual_path
-    model = prepare(model, recovery_source=recovery_source, storage=storage, **kwargs)
+    model = prepare(model, recovery_source=recovery_source, storage=storage, check_source=check_source, **kwargs)
     record_spec(model, kwargs.get("units"))  # units=None later (callback, set_active_units) means these units
     return model

@@ -11,7 +11,22 @@ every such backend and lives here once:
   layer in place (``module.__class__`` is swapped, so the quantised parameters and their state stay),
   with the switch, the recovery forward, the device moves and the refusal to have its weight rewritten;
 - :func:`attach_recovery`: the plan (every layer of a type inside the units, its checkpoint key,
-  checked before anything changes) and the conversion.
+  checked before anything changes), the source check and the conversion.
+
+The source check
+----------------
+A checkpoint of the same architecture but other weights (another model of the same size, another seed)
+passes every name and shape check, and its "recovery" path would then run unrelated weights. The
+low-cost weight is a witness of the checkpoint it was quantised from: before anything is converted,
+every planned layer's de-quantised low-cost weight ``W_low`` is compared with the recovery tensor
+``W_rec`` (the copy about to be stored; for ``storage="disk"`` each tensor is read once for the check),
+and ``prepare_dual_path`` raises ``ValueError`` at the first layer where
+``||W_low - W_rec|| / ||W_rec||`` (Frobenius norms, float32) exceeds its low path's threshold
+(``source_tolerances`` of the backend class: INT8 0.1, NF4 and FP4 0.4; measured figures in
+docs/design.md). The checkpoint the model was loaded from gives about 0.01 (INT8) and 0.1 (NF4, FP4);
+weights unrelated to the low-cost ones give at least 1 (about 1.4 for weights of equal norms). A
+checkpoint that differs from the loaded one by less than the quantisation error (a short fine-tune of
+the same model) is not detected. ``check_source=False`` skips the check.
 
 Storage of the recovery weights (``storage=``):
 
@@ -143,10 +158,21 @@ class CheckpointRecovery(DualPathModule):
     _gnmr_weight: torch.Tensor | None
     _gnmr_ready: Any
 
+    #: low path name -> the largest relative error ``||W_low - W_rec|| / ||W_rec||`` accepted by the source
+    #: check (set by each backend; a low path missing here is not checked)
+    source_tolerances: dict[str, float] = {}
+
     @classmethod
     def check_convertible(cls, module: nn.Module, name: str) -> None:
         """Raise ``ValueError`` if ``module`` cannot be converted (a backend's own conditions; run for every
         planned module before any is converted)."""
+
+    @classmethod
+    def low_weight(cls, module: nn.Module) -> tuple[str, torch.Tensor | None]:
+        """The low path's name (a key of :attr:`source_tolerances`) and ``module``'s low-cost weight,
+        de-quantised (on the weight's device), for the source check; ``None`` when it cannot be read
+        (then the layer is not checked)."""
+        return type(module).__name__, None
 
     @classmethod
     def convert(cls, module: nn.Module, source: RecoveryWeight) -> nn.Module:
@@ -251,6 +277,7 @@ def attach_recovery(
     storage: str = "host",
     units: UnitSpec = None,
     dtype: torch.dtype = torch.bfloat16,
+    check_source: bool = True,
 ) -> nn.Module:
     """Convert every module of ``dual_type``'s quantised layer class inside the units into ``dual_type``,
     reading its weight from ``recovery_source``. Every check runs before any module is changed.
@@ -263,11 +290,14 @@ def attach_recovery(
         storage: ``"host"``, ``"device"`` or ``"disk"`` (see the module docstring).
         units: which modules are the units (default: the decoder layers).
         dtype: the floating-point dtype the recovery weights are kept and computed in.
+        check_source: compare every layer's de-quantised low-cost weight with its recovery tensor and
+            refuse a checkpoint the model was not loaded from (see the module docstring); False skips it.
 
     Raises:
         ValueError: unknown ``storage`` or ``dtype``; no ``X`` in the model or in the units; a recovery
             tensor missing from the checkpoint, of the wrong shape or not floating point; a PEFT DoRA
-            adapter over one of the layers.
+            adapter over one of the layers; a recovery tensor too far from the layer's low-cost weight
+            (``check_source``; the message names the first such layer, the error and the threshold).
         FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
     """
     if storage not in STORAGES:
@@ -286,7 +316,7 @@ def attach_recovery(
     index = CheckpointIndex(recovery_source)
     names = {id(m): canonical_name(n) for n, m in base.named_modules()}
 
-    plan: list[tuple[nn.Module, str]] = []
+    plan: list[tuple[nn.Module, str, str]] = []  # (module, its name, its checkpoint key)
     seen: set[int] = set()
     for unit_name, unit in resolve_units(model, units):
         for sub_name, m in unit.named_modules():
@@ -295,34 +325,100 @@ def attach_recovery(
             seen.add(id(m))
             name = names.get(id(m)) or canonical_name(f"{unit_name}.{sub_name}")
             dual_type.check_convertible(m, name)
-            plan.append((m, _checked_key(index, name, base, m)))
+            plan.append((m, name, _checked_key(index, name, base, m)))
     if not plan:
         raise ValueError(
             f"no bitsandbytes {layer_type.__name__} module inside the units: nothing to give a recovery path "
             "(were the decoder layers skipped by llm_int8_skip_modules?)"
         )
-    planned = {id(m) for m, _ in plan}
+    planned = {id(m) for m, _, _ in plan}
     for name, m in model.named_modules():  # a model wrapped by PEFT before prepare: DoRA cannot run over it
         if getattr(m, "lora_magnitude_vector", None) and id(m.get_base_layer()) in planned:
             raise ValueError(DORA_REFUSED.format(name=name))
 
     sources: dict[str, RecoveryWeight] = {}
-    for _m, key in plan:
+    for _m, _name, key in plan:
         if key not in sources:
             sources[key] = RecoveryWeight(index, key, storage, dtype)
+    tensors = index.read_many(sources, dtype) if storage != "disk" else {}
+    if check_source:
+        check_recovery_source(plan, index, dual_type, tensors)
     if storage != "disk":
         pin = storage == "host" and torch.cuda.is_available()
-        devices = {key: m.weight.device for m, key in plan}
-        tensors = index.read_many(sources, dtype)
+        devices = {key: m.weight.device for m, _, key in plan}
         for key, src in sources.items():
             t = tensors.pop(key)
             if storage == "host":
                 src.stored = t.pin_memory() if pin else t
             else:
                 src.stored = t.to(devices[key])
-    for m, key in plan:
+    for m, _name, key in plan:
         dual_type.convert(m, sources[key])
     return model
+
+
+SOURCE_MISMATCH = (
+    "recovery_source {source!r} does not match the model: the recovery tensor {key!r} of {name} differs "
+    "from the layer's {low} low-cost weight by a relative error ||W_low - W_rec|| / ||W_rec|| = {error:.3g}, "
+    "above the {low} threshold {tolerance:g} (the checkpoint the model was loaded from gives about 0.01 on "
+    "INT8 and 0.1 on NF4/FP4, other weights of the same shapes 1 or more). Pass the checkpoint the model was "
+    "loaded from, or check_source=False to skip this check."
+)
+
+
+def relative_error(low: torch.Tensor, rec: torch.Tensor) -> float:
+    """``||low - rec|| / ||rec||`` (Frobenius norms, float32, on ``low``'s device): 0 when both are zero,
+    ``inf`` when only ``rec`` is."""
+    low = low.to(torch.float32)
+    rec = rec.to(low.device, torch.float32)
+    ref = torch.linalg.vector_norm(rec).item()
+    diff = torch.linalg.vector_norm(low - rec).item()
+    if ref == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / ref
+
+
+def source_errors(
+    plan: list[tuple[nn.Module, str, str]],
+    index: CheckpointIndex,
+    dual_type: type[CheckpointRecovery],
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Any:
+    """Yield ``(name, key, low path, relative error)`` for every planned layer whose low-cost weight can be
+    read, in plan order. Tensors missing from ``tensors`` are read from the checkpoint once each, one
+    key at a time (so a ``"disk"`` preparation never holds the whole model in memory)."""
+    tensors = tensors or {}
+    by_key: dict[str, list[tuple[nn.Module, str]]] = {}
+    for m, name, key in plan:
+        by_key.setdefault(key, []).append((m, name))
+    for key, mods in by_key.items():
+        rec = tensors.get(key)
+        for m, name in mods:
+            low_path, low = dual_type.low_weight(m)
+            if low is None:
+                continue
+            if rec is None:
+                rec = index.read(key, torch.float32)
+            yield name, key, low_path, relative_error(low, rec)
+            del low
+
+
+def check_recovery_source(
+    plan: list[tuple[nn.Module, str, str]],
+    index: CheckpointIndex,
+    dual_type: type[CheckpointRecovery],
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Raise ``ValueError`` (:data:`SOURCE_MISMATCH`) at the first planned layer whose relative error
+    exceeds its low path's threshold in ``dual_type.source_tolerances`` (a NaN error is refused too)."""
+    for name, key, low_path, error in source_errors(plan, index, dual_type, tensors):
+        tolerance = dual_type.source_tolerances.get(low_path)
+        if tolerance is not None and not error <= tolerance:
+            raise ValueError(
+                SOURCE_MISMATCH.format(
+                    source=index.source, key=key, name=name, low=low_path.upper(), error=error, tolerance=tolerance
+                )
+            )
 
 
 def _checked_key(index: CheckpointIndex, name: str, base: nn.Module, m: nn.Module) -> str:
