@@ -26,6 +26,12 @@ _LAZY = {
     "recovery_device_bytes": "gnmr_hf.backends.base",
     "find_decoder_layers": "gnmr_hf.units",
     "smollm2_checkpoint": "gnmr_hf.offline.smollm2",
+    "profile_sensitivity": "gnmr_hf.profile",
+    "plan": "gnmr_hf.profile",
+    "measure_plan": "gnmr_hf.profile",
+    "skip_modules": "gnmr_hf.profile",
+    "SensitivityProfile": "gnmr_hf.profile",
+    "PrecisionPlan": "gnmr_hf.profile",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -41,6 +47,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+    from gnmr_hf.profile import (
+        PrecisionPlan,
+        SensitivityProfile,
+        measure_plan,
+        plan,
+        profile_sensitivity,
+        skip_modules,
+    )
     from gnmr_hf.trainer.callback import GNMRCallback, attach
     from gnmr_hf.units import find_decoder_layers
 

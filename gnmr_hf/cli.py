@@ -1,4 +1,4 @@
-"""The ``gnmr-hf`` command: ``gnmr-hf demo | eval | report ...``.
+"""The ``gnmr-hf`` command: ``gnmr-hf demo | eval | report | profile ...``.
 
 Each sub-command lives in its own module and is imported only when used, so ``gnmr-hf --help``
 stays fast and needs none of the optional dependencies.
@@ -14,6 +14,8 @@ _COMMANDS = {
                              "evaluate, compare, plot"),
     "eval": ("gnmr_hf.evaluation.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
     "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),
+    "profile": ("gnmr_hf.profile", "before training: which quantised linears to keep on BF16 for a byte budget "
+                                   "(price table, llm_int8_skip_modules list, plot)"),
 }
 
 

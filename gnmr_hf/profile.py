@@ -1,0 +1,1373 @@
+"""Sensitivity profile of the quantised linears, and a BF16 plan for a byte budget.
+
+Before training, a few batches of the user's own data say which quantised linears are worth keeping on
+their original BF16 weights. The model is a dual-path model (:func:`gnmr_hf.prepare_dual_path`, best with
+``units="linears"``: one unit per linear), optionally PEFT-wrapped. Every unit gets a score under one or
+more criteria (the loss L is the mean over all target tokens of the batches; "low" = every unit on its
+quantised path, "high" = on the checkpoint's BF16 weight):
+
+==================  ========================================================================================
+criterion           score of unit u (higher = more worth recovering)
+==================  ========================================================================================
+``loss``            the forward-loss restore gain ``L(all low) - L(u on BF16, the rest low)``: one forward per
+                    unit per batch (the reference). Decoder layers below the unit are not recomputed: their
+                    outputs are taken from the all-low forward of the same batch (they do not depend on u).
+``first_order``     the first-order estimate of ``loss`` from one forward + backward at the low point:
+                    ``-<dL/dW_u, W_high,u - W_low,u> = -sum_t delta_t . (y_high(x_t) - y_low(x_t))``, with
+                    x_t the linear's input and delta_t the loss gradient at its output (hooks; no weight
+                    gradient is formed, the base weights stay frozen).
+``output``          the linear's output error on its real inputs, ``||(W_low - W_high) x||`` over all tokens
+                    (the difference of the module's two paths on the captured input; one forward). Also
+                    ``output_rel`` = ``||dW x||^2 / ||W_high x||^2``.
+``lora_grad``       the oracle's quantity (:mod:`gnmr_hf.core.oracle`): ``||g_low,u - g_high,u||`` of the unit's
+                    LoRA gradient, all units low vs all high (two backwards per batch; needs LoRA). Also
+                    ``lora_grad_rel``, the relative recovery gap. It measures how much the *whole*
+                    quantised network corrupts u's gradient, not what recovering u alone buys.
+==================  ========================================================================================
+
+``loss`` and ``first_order`` are in loss units (gains); their sums over a set are the *predicted* gain of
+the set. Single gains do not add (units interact), so :func:`plan` measures the chosen set with one more
+forward. A unit's ``bytes`` is the BF16 size of its weights (``out * in * 2``: what keeping it unquantised
+costs); the quantised weights' BF16 bytes are the sum over all units.
+
+Typical use::
+
+    model = gnmr_hf.prepare_dual_path(model_4bit, recovery_source=path, units="linears", dtype=torch.float32)
+    prof = gnmr_hf.profile_sensitivity(model, batches, criteria=("first_order",))
+    p = gnmr_hf.plan(prof, budget_fraction=0.10, model=model, batches=batches)
+    print(p.summary())
+    cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                             llm_int8_skip_modules=gnmr_hf.skip_modules(p))
+
+``gnmr-hf profile`` (:func:`main`) does all of it from the command line, with a price table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnmr_hf.units import UnitSpec, find_decoder_layers, resolve_units, short_name, unwrap_model
+
+__all__ = [
+    "CRITERIA",
+    "DEFAULT_CRITERION",
+    "GAIN_SCORES",
+    "PrecisionPlan",
+    "SensitivityProfile",
+    "UnitScore",
+    "format_price_table",
+    "measure_plan",
+    "parse_budget",
+    "plan",
+    "plot_profile",
+    "profile_sensitivity",
+    "skip_modules",
+]
+
+# criterion -> the score names it produces
+CRITERIA: dict[str, tuple[str, ...]] = {
+    "loss": ("loss",),
+    "first_order": ("first_order",),
+    "output": ("output", "output_rel"),
+    "lora_grad": ("lora_grad", "lora_grad_rel"),
+}
+SCORE_NAMES = tuple(s for names in CRITERIA.values() for s in names)
+GAIN_SCORES = ("loss", "first_order")  # scores in loss units: their sum over a set is a predicted gain
+# the cheapest criterion that chose as well as "loss" on SmolLM2 NF4 (bench/profile_criteria.py, docs/profile.md)
+DEFAULT_CRITERION = "first_order"
+FORMAT_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class UnitScore:
+    """One unit of a profile.
+
+    Args:
+        index: the unit index (as :func:`gnmr_hf.set_active_units` counts).
+        name: the readable unit name (``layers.3.self_attn.v_proj``).
+        modules: the qualified names, in the unwrapped transformers model (the names ``from_pretrained``
+            gives, e.g. ``model.layers.3.self_attn.v_proj``), of the quantised linears inside the unit.
+        bytes: the BF16 size of those linears' weights.
+        layer: the decoder layer holding the unit (None if not inside one).
+        op: the operator (``v_proj``; ``layer`` for a whole decoder layer).
+        scores: score name -> value.
+    """
+
+    index: int
+    name: str
+    modules: list[str]
+    bytes: int
+    layer: int | None
+    op: str
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SensitivityProfile:
+    """Per-unit scores under one or more criteria, with the reference losses and each criterion's cost.
+
+    Attributes:
+        units: one :class:`UnitScore` per unit, in unit order.
+        criteria: the criteria run (keys of :data:`CRITERIA`).
+        losses: ``low`` and ``high`` (mean loss per target token with every unit low / high) and their
+            per-batch values ``low_per_batch``, ``high_per_batch``.
+        costs: per criterion (and ``reference``, the two loss forwards): ``seconds``, ``forwards``,
+            ``backwards``, ``peak_mem_bytes`` (peak increase over the start), ``mem_kind``.
+        batches, tokens: how many batches and target tokens the profile saw.
+        keep_modules: what stock transformers keeps unquantised by default (the output embedding,
+            tied weights); :func:`skip_modules` puts them in its list, since a given list replaces the default.
+        skipped: criteria that could not run, with why.
+    """
+
+    units: list[UnitScore]
+    criteria: list[str]
+    losses: dict[str, Any]
+    costs: dict[str, dict[str, Any]]
+    batches: int
+    tokens: int
+    keep_modules: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- access
+    @property
+    def score_names(self) -> list[str]:
+        """The score names present (e.g. ``["first_order", "output", "output_rel"]``)."""
+        return [s for s in SCORE_NAMES if self.units and s in self.units[0].scores]
+
+    def scores(self, criterion: str) -> list[float]:
+        """The scores of one criterion (or score name), in unit order."""
+        name = self._score_name(criterion)
+        return [u.scores[name] for u in self.units]
+
+    def _score_name(self, criterion: str | None) -> str:
+        name = criterion or (DEFAULT_CRITERION if DEFAULT_CRITERION in self.score_names else None)
+        if name is None:
+            name = self.score_names[0] if self.score_names else None
+        if name is None or name not in self.score_names:
+            raise ValueError(f"the profile has no scores for {criterion!r}; it has {self.score_names}"
+                             + (f" (skipped: {self.skipped})" if self.skipped else ""))
+        return name
+
+    @property
+    def total_bytes(self) -> int:
+        """The quantised weights' BF16 bytes: the sum of every unit's ``bytes``."""
+        return sum(u.bytes for u in self.units)
+
+    @property
+    def gap(self) -> float:
+        """``L_low - L_high``: what putting every unit on BF16 gains."""
+        return float(self.losses["low"]) - float(self.losses["high"])
+
+    def ranking(self, criterion: str | None = None) -> list[int]:
+        """Unit indices by score, highest first (ties to the lower index)."""
+        s = self.scores(self._score_name(criterion))
+        return sorted(range(len(s)), key=lambda i: (-s[i], i))
+
+    # -- display
+    def table(self, criterion: str | None = None, top: int | None = 20) -> str:
+        """A markdown table of the units by ``criterion`` (highest first), with every score present."""
+        name = self._score_name(criterion)
+        order = self.ranking(name)
+        if top is not None:
+            order = order[:top]
+        cols = self.score_names
+        lines = ["| rank | unit | MiB (BF16) | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]
+        for r, i in enumerate(order, 1):
+            u = self.units[i]
+            lines.append(f"| {r} | {u.name} | {u.bytes / 2**20:.2f} | "
+                         + " | ".join(_fmt(u.scores.get(c)) for c in cols) + " |")
+        head = (f"sensitivity profile: {len(self.units)} units, {self.batches} batch(es), {self.tokens} target "
+                f"tokens; L_low {self.losses['low']:.4f}, L_high {self.losses['high']:.4f}; ranked by {name}")
+        return head + "\n" + "\n".join(lines)
+
+    def cost_table(self) -> str:
+        """A markdown table of each criterion's cost."""
+        lines = ["| criterion | seconds | forwards | backwards | peak memory MiB |", "|---|---|---|---|---|"]
+        for name, c in self.costs.items():
+            mem = c.get("peak_mem_bytes")
+            lines.append(f"| {name} | {c['seconds']:.1f} | {c['forwards']} | {c['backwards']} | "
+                         f"{'-' if mem is None else f'{mem / 2**20:.0f}'} |")
+        return "\n".join(lines)
+
+    def print_table(self, criterion: str | None = None, top: int | None = 20, file: Any = None) -> None:
+        """Print :meth:`table` and :meth:`cost_table`."""
+        print(self.table(criterion, top), file=file or sys.stdout)
+        print(self.cost_table(), file=file or sys.stdout)
+
+    # -- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "criteria": list(self.criteria),
+            "losses": _json_safe(self.losses),
+            "costs": _json_safe(self.costs),
+            "batches": self.batches,
+            "tokens": self.tokens,
+            "total_bytes": self.total_bytes,
+            "keep_modules": list(self.keep_modules),
+            "skipped": dict(self.skipped),
+            "meta": _json_safe(self.meta),
+            "units": [{"index": u.index, "name": u.name, "modules": list(u.modules), "bytes": u.bytes,
+                       "layer": u.layer, "op": u.op, "scores": _json_safe(u.scores)} for u in self.units],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SensitivityProfile:
+        if "units" not in data or "losses" not in data:
+            raise ValueError("not a sensitivity profile (no 'units' / 'losses')")
+        units = [UnitScore(index=int(u["index"]), name=u["name"], modules=list(u["modules"]), bytes=int(u["bytes"]),
+                           layer=u.get("layer"), op=u.get("op", ""),
+                           scores={k: (math.nan if v is None else float(v)) for k, v in u["scores"].items()})
+                 for u in data["units"]]
+        return cls(units=units, criteria=list(data["criteria"]), losses=dict(data["losses"]),
+                   costs=dict(data["costs"]), batches=int(data["batches"]), tokens=int(data["tokens"]),
+                   keep_modules=list(data.get("keep_modules", [])), skipped=dict(data.get("skipped", {})),
+                   meta=dict(data.get("meta", {})))
+
+    def to_json(self, path: str | os.PathLike, **extra: Any) -> Path:
+        """Write the profile (plus any ``extra`` top-level keys) as JSON; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**self.to_dict(), **_json_safe(extra)}, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> SensitivityProfile:
+        """Read a profile written by :meth:`to_json` (or ``gnmr-hf profile``'s ``profile.json``)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, torch.Tensor):
+        return _json_safe(x.tolist())
+    return x
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: nn.Module
+    dual: list[nn.Module]  # dual-path modules inside the unit
+    modules: list[str]
+    bytes: int
+    layer: int | None
+    op: str
+
+
+def _units(model: nn.Module, units: UnitSpec) -> list[_Unit]:
+    from gnmr_hf.backends.base import dual_path_modules
+    from gnmr_hf.backends.checkpoint import canonical_name
+
+    resolved = resolve_units(model, units)
+    base = unwrap_model(model)
+    names = {id(m): canonical_name(n) for n, m in base.named_modules()}
+    try:
+        layer_of = {id(m): i for i, (_, layer) in enumerate(find_decoder_layers(model)) for m in layer.modules()}
+    except ValueError:
+        layer_of = {}
+    out = []
+    for name, unit in resolved:
+        dual = list(dual_path_modules(unit))
+        layers = [layer_of[id(m)] for m in dual if id(m) in layer_of]
+        short = short_name(name)
+        parts = short.split(".")
+        op = parts[-1] if len(parts) > 2 else "layer"
+        out.append(_Unit(name=short, module=unit, dual=dual, modules=[names.get(id(m), name) for m in dual],
+                         bytes=sum(_bf16_bytes(m) for m in dual), layer=min(layers) if layers else None, op=op))
+    if not any(u.dual for u in out):
+        raise ValueError(
+            f"the model holds no dual-path layer ({type(unwrap_model(model)).__name__}): load it quantised "
+            "(BitsAndBytesConfig(load_in_4bit=True) or load_in_8bit=True) and call "
+            "gnmr_hf.prepare_dual_path(model, recovery_source=checkpoint, units='linears') first"
+        )
+    return out
+
+
+def _bf16_bytes(m: nn.Module) -> int:
+    out_f, in_f = getattr(m, "out_features", None), getattr(m, "in_features", None)
+    if out_f is None or in_f is None:
+        w = m._gnmr_source.stored if hasattr(m, "_gnmr_source") and m._gnmr_source.stored is not None else m.weight
+        out_f, in_f = w.shape[0], w.shape[-1]
+    return int(out_f) * int(in_f) * 2
+
+
+def _keep_modules(model: nn.Module) -> list[str]:
+    """What stock transformers keeps unquantised when ``llm_int8_skip_modules`` is not given."""
+    base = unwrap_model(model)
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keys = sorted(get_keys_to_not_convert(base))
+    except Exception:  # another transformers version, or not a PreTrainedModel
+        keys = []
+    out_emb = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if out_emb is not None:
+        name = next((n for n, m in base.named_modules() if m is out_emb), None)
+        if name and name not in keys:
+            keys.append(name)
+    return keys
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _prepare_batches(model: nn.Module, batches: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Batches on the model's device with labels (padding -100), and each batch's target-token count."""
+    device = _device(model)
+    out, counts = [], []
+    for i, b in enumerate(batches):
+        if not isinstance(b, dict) or "input_ids" not in b:
+            raise ValueError(f"batch {i} must be a dict with input_ids (and attention_mask, labels)")
+        b = {k: (torch.as_tensor(v) if isinstance(v, (list, tuple)) else v) for k, v in b.items()}
+        b = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+        if b["input_ids"].dim() == 1:
+            b = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) and v.dim() == 1 else v) for k, v in b.items()}
+        if "labels" not in b:
+            labels = b["input_ids"].clone()
+            if "attention_mask" in b:
+                labels[b["attention_mask"] == 0] = -100
+            b["labels"] = labels
+        n = int((b["labels"][..., 1:] != -100).sum())
+        if n == 0:
+            raise ValueError(f"batch {i} has no target token (every label is -100)")
+        b.setdefault("use_cache", False)
+        out.append(b)
+        counts.append(n)
+    if not out:
+        raise ValueError("batches is empty: give at least one batch of training data")
+    return out, counts
+
+
+def _loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _set_path(units: list[_Unit], high: Iterable[int]) -> None:
+    high = set(high)
+    for i, u in enumerate(units):
+        for m in u.dual:
+            if m.recovery != (i in high):
+                m.set_recovery(i in high)
+
+
+class _Meter:
+    """Seconds and peak memory increase of a block (CUDA allocator on a GPU, else sampled process RSS)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.peak = None
+        self.kind = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process RSS (sampled every 5 ms)"
+
+    def __enter__(self) -> _Meter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._start = _rss()
+            self._max = self._start
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self._t0 = time.perf_counter()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            r = _rss()
+            if r is not None and (self._max is None or r > self._max):
+                self._max = r
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self._t0
+        if self.device.type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
+        else:
+            self._stop.set()
+            self._thread.join()
+            r = _rss()
+            if r is not None and self._max is not None:
+                self._max = max(self._max, r)
+            self.peak = None if self._start is None else int(self._max - self._start)
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cost(meter: _Meter, forwards: int, backwards: int, note: str = "") -> dict[str, Any]:
+    out = {"seconds": meter.seconds, "forwards": forwards, "backwards": backwards, "peak_mem_bytes": meter.peak,
+           "mem_kind": meter.kind}
+    if note:
+        out["note"] = note
+    return out
+
+
+def _progress(it: Iterable, total: int, desc: str, on: bool) -> Iterable:
+    if not on:
+        return it
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, total=total, desc=desc, leave=False)
+
+
+@contextlib.contextmanager
+def _input_grad(model: nn.Module) -> Iterator[None]:
+    """Freeze every parameter and make the input embeddings' output require grad, so a backward reaches
+    every layer's output without forming any weight gradient."""
+    base = unwrap_model(model)
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    if emb is None:
+        raise ValueError("first_order needs the model's input embeddings (get_input_embeddings())")
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    handle = emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_(True))
+    try:
+        yield
+    finally:
+        handle.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _high_output(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's recovery-path output on ``x`` (its forward called directly: no hooks run)."""
+    was = m.recovery
+    if not was:
+        m.set_recovery(True)
+    try:
+        return m.forward(x)
+    finally:
+        if not was:
+            m.set_recovery(False)
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, tuple):
+        return type(x)(*(_clone(v) for v in x)) if hasattr(x, "_fields") else tuple(_clone(v) for v in x)
+    return x
+
+
+@contextlib.contextmanager
+def _skip_layers(layers: list[nn.Module], below: int, cache: dict[int, Any]) -> Iterator[None]:
+    """Layers ``0 .. below-1`` return their cached output instead of computing."""
+    saved = []
+    for i in range(below):
+        layer = layers[i]
+        saved.append((layer, layer.__dict__.get("forward")))
+        layer.forward = (lambda out: (lambda *a, **k: _clone(out)))(cache[i])
+    try:
+        yield
+    finally:
+        for layer, fwd in saved:
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+
+# ------------------------------------------------------------------------------------------ criteria
+
+
+def _reference(model, units, batches, weights) -> tuple[dict[str, Any], dict[str, Any]]:
+    low, high = [], []
+    with _Meter(_device(model)) as meter, torch.no_grad():
+        for path, store in (([], low), (range(len(units)), high)):
+            _set_path(units, path)
+            for b in batches:
+                store.append(float(_loss(model, b)))
+        _set_path(units, [])
+    losses = {"low": sum(w * v for w, v in zip(weights, low)), "high": sum(w * v for w, v in zip(weights, high)),
+              "low_per_batch": low, "high_per_batch": high}
+    return losses, _cost(meter, 2 * len(batches), 0)
+
+
+def _store(cache: dict[int, Any], i: int):
+    def hook(mod: nn.Module, inp: Any, out: Any) -> None:
+        cache[i] = out
+    return hook
+
+
+def _loss_gains(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    try:
+        layers = [layer for _, layer in find_decoder_layers(model)]
+    except ValueError:
+        layers = []
+    gains = [0.0] * len(units)
+    forwards = 0
+    with _Meter(_device(model)) as meter, torch.no_grad():
+        bar = _progress(range(len(batches) * len(units)), len(batches) * len(units), "profile: loss", progress)
+        it = iter(bar)
+        for b, w in zip(batches, weights):
+            cache: dict[int, Any] = {}
+            handles = [layer.register_forward_hook(_store(cache, i)) for i, layer in enumerate(layers)]
+            _set_path(units, [])
+            try:
+                low = float(_loss(model, b))
+            finally:
+                for h in handles:
+                    h.remove()
+            forwards += 1
+            for u, unit in enumerate(units):
+                next(it, None)
+                if not unit.dual:
+                    continue
+                _set_path(units, [u])
+                below = unit.layer if unit.layer is not None and len(cache) == len(layers) else 0
+                with _skip_layers(layers, below, cache):
+                    gains[u] += w * (low - float(_loss(model, b)))
+                forwards += 1
+            _set_path(units, [])
+        if hasattr(bar, "close"):
+            bar.close()
+    note = "per unit, the decoder layers below it are not recomputed (their outputs come from the all-low forward)"
+    return {"loss": gains}, _cost(meter, forwards, 0, note)
+
+
+def _output_errors(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    err = [0.0] * len(units)
+    ref = [0.0] * len(units)
+    mask: dict[str, torch.Tensor | None] = {"m": None}
+
+    def hook(u):
+        def fn(mod, inp, out):
+            x = inp[0]
+            y_high = _high_output(mod, x)
+            d = (y_high.float() - out.float())
+            yh = y_high.float()
+            m = mask["m"]
+            if m is not None and d.dim() >= 2 and tuple(d.shape[:2]) == tuple(m.shape):
+                keep = m.to(d.dtype).unsqueeze(-1)
+                d, yh = d * keep, yh * keep
+            err[u] += float(d.double().square().sum())
+            ref[u] += float(yh.double().square().sum())
+        return fn
+
+    handles = [m.register_forward_hook(hook(u)) for u, unit in enumerate(units) for m in unit.dual]
+    try:
+        with _Meter(_device(model)) as meter, torch.no_grad():
+            _set_path(units, [])
+            for b in _progress(batches, len(batches), "profile: output", progress):
+                mask["m"] = b.get("attention_mask")
+                _loss(model, b)
+    finally:
+        for h in handles:
+            h.remove()
+    rel = [e / r if r > 0 else (0.0 if e == 0 else math.inf) for e, r in zip(err, ref)]
+    return {"output": [math.sqrt(e) for e in err], "output_rel": rel}, _cost(meter, len(batches), 0)
+
+
+def _first_order(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    acc = [0.0] * len(units)
+
+    def hook(u):
+        def fn(mod, inp, out):
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                return
+            with torch.no_grad():
+                d = (_high_output(mod, inp[0].detach()) - out.detach()).to(torch.float64)
+
+            def on_grad(g, d=d):
+                acc[u] -= float((g.to(torch.float64) * d).sum())
+
+            out.register_hook(on_grad)
+        return fn
+
+    handles = [m.register_forward_hook(hook(u)) for u, unit in enumerate(units) for m in unit.dual]
+    try:
+        with _Meter(_device(model)) as meter, _input_grad(model), torch.enable_grad():
+            _set_path(units, [])
+            for b, w in zip(_progress(batches, len(batches), "profile: first_order", progress), weights):
+                (_loss(model, b) * w).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return {"first_order": acc}, _cost(meter, len(batches), len(batches))
+
+
+def _lora_grads(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]] | str:
+    from gnmr_hf.core.oracle import recovery_gap_from_sq_norms
+
+    params = [[p for p in unit.module.parameters() if p.requires_grad] for unit in units]
+    if not any(params):
+        return ("lora_grad needs a LoRA-wrapped model (the units hold no trainable parameter): wrap it with "
+                "peft.get_peft_model(model, LoraConfig(...)) after prepare_dual_path")
+    everything = [p for p in model.parameters() if p.requires_grad]
+    saved = [(p, p.grad) for p in everything]
+    grads: list[list[list[torch.Tensor | None]]] = []
+    try:
+        with _Meter(_device(model)) as meter, torch.enable_grad():
+            for path in ([], range(len(units))):
+                for p in everything:
+                    p.grad = None
+                _set_path(units, path)
+                for b, w in zip(_progress(batches, len(batches), "profile: lora_grad", progress), weights):
+                    (_loss(model, b) * w).backward()
+                grads.append([[None if p.grad is None else p.grad.detach().to(torch.float64).clone() for p in ps]
+                              for ps in params])
+            _set_path(units, [])
+    finally:
+        for p, g in saved:
+            p.grad = g
+    diff_sq, high_sq = [], []
+    for low, high in zip(*grads):
+        d = h = 0.0
+        for lo, hi in zip(low, high):
+            lo = torch.zeros(()) if lo is None else lo
+            hi = torch.zeros(()) if hi is None else hi
+            d += float((hi - lo).square().sum())
+            h += float(hi.square().sum())
+        diff_sq.append(d)
+        high_sq.append(h)
+    rel = recovery_gap_from_sq_norms(torch.tensor(diff_sq), torch.tensor(high_sq)).tolist()
+    return {"lora_grad": [math.sqrt(d) for d in diff_sq], "lora_grad_rel": rel}, _cost(
+        meter, 2 * len(batches), 2 * len(batches))
+
+
+_RUNNERS = {"loss": _loss_gains, "output": _output_errors, "lora_grad": _lora_grads, "first_order": _first_order}
+
+
+def _criteria(criteria: str | Sequence[str]) -> list[str]:
+    if isinstance(criteria, str):
+        criteria = [c.strip() for c in criteria.split(",") if c.strip()]
+    if list(criteria) == ["all"]:
+        return list(CRITERIA)
+    out = []
+    for c in criteria:
+        if c not in CRITERIA:
+            raise ValueError(f"unknown criterion {c!r}; choose from {', '.join(CRITERIA)} (or 'all')")
+        if c not in out:
+            out.append(c)
+    if not out:
+        raise ValueError("criteria is empty")
+    return out
+
+
+def profile_sensitivity(
+    model: nn.Module,
+    batches: Iterable[dict[str, Any]],
+    criteria: str | Sequence[str] = (DEFAULT_CRITERION,),
+    units: UnitSpec = None,
+    progress: bool = False,
+) -> SensitivityProfile:
+    """Score every unit of a dual-path model by how much keeping it on BF16 is worth, on ``batches``.
+
+    Args:
+        model: a model prepared with :func:`gnmr_hf.prepare_dual_path` (``units="linears"`` for one unit per
+            linear), optionally PEFT-wrapped (needed for ``lora_grad``). Profiled in eval mode (dropout off);
+            its training mode, its units' paths and its parameters' gradients are restored afterwards.
+        batches: dicts with ``input_ids``, ``attention_mask`` and ``labels`` (-100 where no loss; derived
+            from ``input_ids`` and the mask when missing), e.g. a few batches of the training data as the
+            Trainer's collator makes them.
+        criteria: names from :data:`CRITERIA` (a comma-separated string, or ``"all"``); see the module
+            docstring. ``lora_grad`` on a model without trainable parameters in the units is skipped
+            with a warning (and listed in ``profile.skipped``).
+        units: the unit specification (default: the grain recorded by ``prepare_dual_path``).
+        progress: show tqdm progress bars.
+
+    Returns:
+        A :class:`SensitivityProfile`, with the all-low and all-high losses and each criterion's cost.
+
+    Raises:
+        ValueError: no dual-path layer in the model, an unknown criterion, an empty batch list or a batch
+            without target tokens.
+    """
+    names = _criteria(criteria)
+    info = _units(model, units)
+    prepared, counts = _prepare_batches(model, batches)
+    total = sum(counts)
+    weights = [n / total for n in counts]
+    from gnmr_hf.backends.base import active_units
+
+    resolved = [(u.name, u.module) for u in info]
+    start = active_units(model, resolved)
+    was_training = model.training
+    model.eval()
+    scores: dict[str, list[float]] = {}
+    costs: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    try:
+        losses, costs["reference"] = _reference(model, info, prepared, weights)
+        for name in names:
+            result = _RUNNERS[name](model, info, prepared, weights, progress)
+            if isinstance(result, str):
+                warnings.warn(f"profile_sensitivity: {name} skipped: {result}", stacklevel=2)
+                skipped[name] = result
+                continue
+            values, costs[name] = result
+            scores.update(values)
+    finally:
+        _set_path(info, start)
+        model.train(was_training)
+    out_units = [UnitScore(index=i, name=u.name, modules=u.modules, bytes=u.bytes, layer=u.layer, op=u.op,
+                           scores={k: float(v[i]) for k, v in scores.items()}) for i, u in enumerate(info)]
+    base = unwrap_model(model)
+    meta = {"model": type(base).__name__, "name_or_path": str(getattr(getattr(base, "config", None),
+                                                                      "_name_or_path", "") or ""),
+            "device": str(_device(model)), "batch_tokens": counts}
+    return SensitivityProfile(units=out_units, criteria=[n for n in names if n not in skipped], losses=losses,
+                              costs=costs, batches=len(prepared), tokens=total, keep_modules=_keep_modules(model),
+                              skipped=skipped, meta=meta)
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+@dataclass
+class PrecisionPlan:
+    """The units to keep on BF16 under a byte budget, chosen greedily by score per byte.
+
+    Attributes:
+        criterion: the score the plan was chosen by.
+        budget_bytes: the extra BF16 bytes allowed; ``total_bytes`` the quantised weights' BF16 bytes.
+        indices, names, modules: the chosen units (unit indices for ``set_active_units`` / a static policy,
+            readable names, and the qualified names of their linears).
+        bytes: the chosen units' BF16 bytes.
+        predicted_gain: the sum of the chosen units' single gains (``loss`` or ``first_order`` scores; the
+            criterion's own when it is a gain, else the profile's ``loss``, else ``first_order``); None
+            without a gain score. ``predicted_gap_closed`` = predicted_gain / (L_low - L_high).
+        measured: per data set (``profile``, ``heldout``): ``loss_low``, ``loss_high``, ``loss_plan`` and
+            ``gap_closed`` = (L_low - L_plan) / (L_low - L_high), measured with the set on BF16.
+        keep_modules: the profile's default-kept modules (see :func:`skip_modules`).
+    """
+
+    criterion: str
+    budget_bytes: int
+    total_bytes: int
+    indices: list[int]
+    names: list[str]
+    modules: list[str]
+    bytes: int
+    predicted_gain: float | None
+    predicted_gap_closed: float | None
+    gain_score: str | None = None
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    keep_modules: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        """The chosen bytes as a share of the quantised weights' BF16 bytes."""
+        return self.bytes / self.total_bytes if self.total_bytes else 0.0
+
+    @property
+    def budget_fraction(self) -> float:
+        return self.budget_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def skip_modules(self, keep: Sequence[str] | None = None) -> list[str]:
+        """See :func:`skip_modules`."""
+        return skip_modules(self, keep)
+
+    def summary(self) -> str:
+        """A few lines: budget, chosen set, predicted and measured gap closed."""
+        lines = [f"plan by {self.criterion}: {len(self.indices)} unit(s), {self.bytes / 2**20:.1f} MiB BF16 = "
+                 f"{100 * self.fraction:.1f} % of the quantised weights' BF16 bytes (budget "
+                 f"{self.budget_bytes / 2**20:.1f} MiB, {100 * self.budget_fraction:.1f} %)"]
+        if self.predicted_gap_closed is not None:
+            lines.append(f"  predicted gap closed (sum of single {self.gain_score} gains): {self.predicted_gap_closed:.3f}")
+        for where, m in self.measured.items():
+            lines.append(f"  measured gap closed on {where}: {m['gap_closed']:.3f} (L_low {m['loss_low']:.4f}, "
+                         f"L_plan {m['loss_plan']:.4f}, L_high {m['loss_high']:.4f})")
+        if self.names:
+            lines.append("  units: " + ", ".join(self.names))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe({
+            "criterion": self.criterion, "budget_bytes": self.budget_bytes, "budget_fraction": self.budget_fraction,
+            "total_bytes": self.total_bytes, "bytes": self.bytes, "fraction": self.fraction,
+            "indices": list(self.indices), "names": list(self.names), "modules": list(self.modules),
+            "predicted_gain": self.predicted_gain, "predicted_gap_closed": self.predicted_gap_closed,
+            "gain_score": self.gain_score, "measured": self.measured, "skip_modules": self.skip_modules(),
+        })
+
+
+def _budget(profile: SensitivityProfile, budget_bytes: int | None, budget_fraction: float | None) -> int:
+    if (budget_bytes is None) == (budget_fraction is None):
+        raise ValueError("give exactly one of budget_bytes and budget_fraction")
+    if budget_fraction is not None:
+        if not (isinstance(budget_fraction, (int, float)) and 0 <= budget_fraction <= 1):
+            raise ValueError(f"budget_fraction must be in [0, 1], got {budget_fraction!r}")
+        return int(budget_fraction * profile.total_bytes)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
+    return budget_bytes
+
+
+def greedy_select(scores: Sequence[float], sizes: Sequence[int], budget: int) -> list[int]:
+    """Indices chosen greedily by score per byte (highest first, ties to the lower index), skipping
+    units that no longer fit; units with a non-positive (or non-finite) score are never chosen."""
+    order = sorted((i for i, s in enumerate(scores) if math.isfinite(s) and s > 0 and sizes[i] > 0),
+                   key=lambda i: (-scores[i] / sizes[i], i))
+    chosen, used = [], 0
+    for i in order:
+        if used + sizes[i] <= budget:
+            chosen.append(i)
+            used += sizes[i]
+    return sorted(chosen)
+
+
+def plan(
+    profile: SensitivityProfile,
+    budget_bytes: int | None = None,
+    *,
+    budget_fraction: float | None = None,
+    criterion: str | None = None,
+    model: nn.Module | None = None,
+    batches: Iterable[dict[str, Any]] | None = None,
+    heldout: Iterable[dict[str, Any]] | None = None,
+    heldout_reference: tuple[float, float] | None = None,
+    units: UnitSpec = None,
+) -> PrecisionPlan:
+    """Choose the units to keep on BF16 within a byte budget, and (with ``model``) measure the choice.
+
+    Greedy by score per BF16 byte; units with a non-positive score are never chosen, so a plan may use
+    less than its budget. Single gains do not add, so the set's gain is measured: with ``model`` and
+    ``batches`` (the profile's batches: the profile's L_low and L_high are reused, one forward), and
+    optionally ``heldout`` batches (three forwards: low, high, the plan).
+
+    Args:
+        profile: from :func:`profile_sensitivity`.
+        budget_bytes: extra BF16 bytes allowed; or ``budget_fraction``: a share of the quantised weights'
+            BF16 bytes (``profile.total_bytes``). Exactly one of them.
+        criterion: the score to plan by (default: :data:`DEFAULT_CRITERION` if in the profile, else the
+            first present).
+        model, batches, heldout, units: for the measurement (the model the profile was taken on; ``batches``
+            must be the profile's own, whose L_low and L_high the profile holds).
+        heldout_reference: ``(L_low, L_high)`` on ``heldout`` when already measured (saves two forwards).
+
+    Returns:
+        A :class:`PrecisionPlan`; :func:`skip_modules` turns it into ``llm_int8_skip_modules``.
+    """
+    name = profile._score_name(criterion)
+    budget = _budget(profile, budget_bytes, budget_fraction)
+    chosen = greedy_select(profile.scores(name), [u.bytes for u in profile.units], budget)
+    gain_score = name if name in GAIN_SCORES else next((s for s in GAIN_SCORES if s in profile.score_names), None)
+    predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
+    gap = profile.gap
+    result = PrecisionPlan(
+        criterion=name, budget_bytes=budget, total_bytes=profile.total_bytes, indices=chosen,
+        names=[profile.units[i].name for i in chosen],
+        modules=[m for i in chosen for m in profile.units[i].modules],
+        bytes=sum(profile.units[i].bytes for i in chosen), predicted_gain=predicted,
+        predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
+        keep_modules=list(profile.keep_modules))
+    if model is not None:
+        if batches is not None:
+            ref = (profile.losses["low"], profile.losses["high"])
+            result.measured["profile"] = measure_plan(model, chosen, batches, reference=ref, units=units)
+        if heldout is not None:
+            result.measured["heldout"] = measure_plan(model, chosen, heldout, reference=heldout_reference,
+                                                      units=units)
+    elif batches is not None or heldout is not None:
+        raise ValueError("measuring a plan needs the model: plan(..., model=model, batches=...)")
+    return result
+
+
+def measure_plan(
+    model: nn.Module,
+    chosen: PrecisionPlan | Sequence[int],
+    batches: Iterable[dict[str, Any]],
+    reference: tuple[float, float] | None = None,
+    units: UnitSpec = None,
+) -> dict[str, float]:
+    """The loss with ``chosen`` on BF16 (the rest low) and the share of the low-to-high gap it closes.
+
+    Args:
+        model: the profiled dual-path model.
+        chosen: a plan or unit indices.
+        batches: the data (as for :func:`profile_sensitivity`).
+        reference: ``(L_low, L_high)`` on these batches when known (else two more forwards measure them).
+
+    Returns:
+        ``loss_low``, ``loss_high``, ``loss_plan``, ``gap_closed`` = (L_low - L_plan) / (L_low - L_high)
+        (NaN when L_low == L_high), ``seconds``.
+    """
+    indices = list(chosen.indices if isinstance(chosen, PrecisionPlan) else chosen)
+    info = _units(model, units)
+    prepared, counts = _prepare_batches(model, batches)
+    weights = [n / sum(counts) for n in counts]
+    from gnmr_hf.backends.base import active_units
+
+    start = active_units(model, [(u.name, u.module) for u in info])
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            def mean_loss(path: Iterable[int]) -> float:
+                _set_path(info, path)
+                return sum(w * float(_loss(model, b)) for w, b in zip(weights, prepared))
+
+            if reference is None:
+                low, high = mean_loss([]), mean_loss(range(len(info)))
+            else:
+                low, high = float(reference[0]), float(reference[1])
+            planned = mean_loss(indices)
+    finally:
+        _set_path(info, start)
+        model.train(was_training)
+    gap = low - high
+    return {"loss_low": low, "loss_high": high, "loss_plan": planned,
+            "gap_closed": (low - planned) / gap if gap != 0 else math.nan, "seconds": time.perf_counter() - t0}
+
+
+def skip_modules(chosen: PrecisionPlan | SensitivityProfile | Sequence[str], keep: Sequence[str] | None = None) -> list[str]:
+    """The ``llm_int8_skip_modules`` list that loads exactly the planned linears unquantised.
+
+    Use it with a stock ``BitsAndBytesConfig(load_in_4bit=True, ..., llm_int8_skip_modules=list)`` (or
+    ``load_in_8bit``). The entries are the linears' full qualified names (``model.layers.1.self_attn.v_proj``):
+    transformers 5 matches an entry from the start of a module name up to a module boundary, or as a
+    suffix, and older versions as a substring followed by ``.`` or as the whole name; a full name matches
+    only itself (and its children) under every one of these rules, so ``model.layers.1.…`` never catches
+    ``model.layers.11.…``. A given list *replaces* transformers' default (which keeps the output embedding
+    ``lm_head`` unquantised), so the profile's default-kept modules come first.
+
+    Args:
+        chosen: a :class:`PrecisionPlan`, or qualified module names.
+        keep: modules to keep unquantised besides the plan's (default: the plan's ``keep_modules``, i.e.
+            what transformers keeps when no list is given; ``[]`` for none).
+    """
+    if isinstance(chosen, PrecisionPlan):
+        modules, default_keep = list(chosen.modules), chosen.keep_modules
+    elif isinstance(chosen, SensitivityProfile):
+        raise TypeError("skip_modules takes a plan: skip_modules(gnmr_hf.plan(profile, budget_fraction=0.1))")
+    else:
+        modules, default_keep = [str(m) for m in chosen], ["lm_head"]
+    keep = list(default_keep if keep is None else keep)
+    out = []
+    for name in keep + modules:
+        if name not in out:
+            out.append(name)
+    return out
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``"10%"`` -> (None, 0.1); ``"0.1"`` -> (None, 0.1); ``"300MB"``, ``"2GiB"``, ``"123456"`` -> (bytes, None).
+
+    A bare number at most 1 is a fraction; above 1 it is bytes.
+
+    Raises:
+        ValueError: anything else (the message says what is accepted).
+    """
+    s = str(text).strip().lower().replace(" ", "")
+    bad = ValueError(f"budget {text!r} is not a percentage (10%), a fraction (0.1) or a size (300MB, 2GiB, 123456)")
+    mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)(%|[a-z]*)", s)
+    if not mt:
+        raise bad
+    value, unit = float(mt.group(1)), mt.group(2)
+    if unit == "%":
+        if not 0 <= value <= 100:
+            raise ValueError(f"budget {text!r}: a percentage must be in [0, 100]")
+        return None, value / 100
+    if unit == "" and value <= 1:
+        return None, value
+    if unit not in _UNITS:
+        raise bad
+    return int(value * _UNITS[unit]), None
+
+
+def format_price_table(plans: Sequence[PrecisionPlan]) -> str:
+    """The price table: per budget, predicted and measured gap closed, bytes and modules."""
+    wheres = sorted({w for p in plans for w in p.measured}, key=lambda w: (w != "profile", w))
+    head = ["budget", "criterion", "predicted gap closed"] + [f"measured gap closed ({w})" for w in wheres] + [
+        "extra MiB (BF16)", "% of quantised", "modules"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in plans:
+        row = [f"{100 * p.budget_fraction:.0f} %", p.criterion, _fmt(p.predicted_gap_closed, ".3f")]
+        row += [_fmt(p.measured.get(w, {}).get("gap_closed"), ".3f") for w in wheres]
+        row += [f"{p.bytes / 2**20:.1f}", f"{100 * p.fraction:.1f}", str(len(p.indices))]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ plot
+
+_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def plot_profile(profile: SensitivityProfile, plans: Sequence[PrecisionPlan], path: str | os.PathLike,
+                 criterion: str | None = None, title: str | None = None) -> Path:
+    """Two panels: gap closed (predicted and measured) against extra BF16 bytes; a layer x operator heat
+    map of the scores. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = profile._score_name(criterion)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.1]})
+    ordered = sorted(plans, key=lambda p: p.bytes)
+    xs = [0.0] + [100 * p.fraction for p in ordered] + [100.0]
+    if any(p.predicted_gap_closed is not None for p in ordered):
+        ys = [0.0] + [math.nan if p.predicted_gap_closed is None else p.predicted_gap_closed for p in ordered] + [math.nan]
+        ax1.plot(xs, ys, "o--", label=f"predicted (sum of single {ordered[0].gain_score} gains)")
+    for where in sorted({w for p in ordered for w in p.measured}):
+        ys = [0.0] + [p.measured.get(where, {}).get("gap_closed", math.nan) for p in ordered] + [1.0]
+        ax1.plot(xs, ys, "o-", label=f"measured ({where})")
+    ax1.plot([0, 100], [0, 1], ":", color="grey", label="proportional to bytes")
+    ax1.set_xlabel("extra BF16 bytes, % of the quantised weights' BF16 bytes")
+    ax1.set_ylabel("gap closed  (L_low - L_plan) / (L_low - L_high)")
+    ax1.set_xscale("symlog", linthresh=1)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"plans by {name}")
+
+    layers = sorted({u.layer for u in profile.units if u.layer is not None})
+    ops = [o for o in _OPS if any(u.op == o for u in profile.units)] + sorted(
+        {u.op for u in profile.units} - set(_OPS))
+    grid = [[math.nan] * len(ops) for _ in layers]
+    for u in profile.units:
+        if u.layer is not None and u.op in ops:
+            grid[layers.index(u.layer)][ops.index(u.op)] = u.scores.get(name, math.nan)
+    vals = [v for row in grid for v in row if math.isfinite(v)]
+    vmax = max((abs(v) for v in vals), default=1.0) or 1.0
+    signed = any(v < 0 for v in vals)
+    im = ax2.imshow(grid, aspect="auto", cmap="RdBu_r" if signed else "viridis",
+                    vmin=-vmax if signed else 0, vmax=vmax, interpolation="nearest")
+    ax2.set_xticks(range(len(ops)), ops, rotation=45, ha="right", fontsize=8)
+    ax2.set_yticks(range(len(layers)), [str(v) for v in layers], fontsize=6 if len(layers) > 20 else 8)
+    ax2.set_ylabel("decoder layer")
+    ax2.set_title(f"{name} score per unit")
+    fig.colorbar(im, ax=ax2)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+class ProfileError(Exception):
+    """Bad input to ``gnmr-hf profile``: printed as one line, exit code 2."""
+
+
+PRICE_POINTS = (0.05, 0.10, 0.25)
+_LOW = ("nf4", "fp4", "int8")
+_TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gnmr-hf profile",
+        description="Profile which quantised linears are worth keeping on BF16 (a few batches of the training "
+                    "data, before training) and plan a byte budget: prints the price table, writes "
+                    "DIR/profile.json (skip_modules, units) and DIR/profile.png.")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
+    p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
+    p.add_argument("--budget", default="10%",
+                   help="extra BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
+                        "(0.1) or a size (300MB, 2GiB); default 10%%")
+    p.add_argument("--output", "-o", required=True, help="output folder (profile.json, profile.png)")
+    p.add_argument("--data", default=None,
+                   help="training data: a .json/.jsonl file or folder in the recipe's schema (tokenised as "
+                        "recipes/finetune.py does), or a text file (.txt/.rst/.md: chunks of --max-seq-len tokens); "
+                        "default: the SmolLM2 recipes' generated GSM8K-style training set")
+    p.add_argument("--criterion", default=DEFAULT_CRITERION,
+                   help=f"criteria, comma-separated ({', '.join(CRITERIA)}, or all); the first plans "
+                        f"(default {DEFAULT_CRITERION})")
+    p.add_argument("--batches", type=int, default=2, help="batches to profile on (default 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default: the recipe's, 4)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per example (default: the recipe's; 512 for a text file)")
+    p.add_argument("--heldout-batches", type=int, default=0,
+                   help="also measure the plans on the next N batches of the data (default 0)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--storage", default="host", choices=("host", "device", "disk"),
+                   help="where the BF16 recovery weights live during profiling (default host)")
+    p.add_argument("--recipe", default=None, help="the recipe YAML whose data and LoRA settings to use "
+                   "(default: recipes/smollm2-135m/<low>.yaml)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return _run(args)
+    except ProfileError as e:
+        print(f"gnmr-hf profile: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gnmr-hf profile: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _finetune_module(recipes: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gnmr_hf_recipe_finetune", recipes / "finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_recipe(args: argparse.Namespace, out: Path):
+    """The recipe's finetune module and configuration (its data, templates, batch size and LoRA)."""
+    from gnmr_hf.demo import DemoError, find_recipes
+
+    try:
+        recipes = find_recipes()
+    except DemoError as e:
+        raise ProfileError(str(e)) from None
+    finetune = _finetune_module(recipes)
+    recipe_file = Path(args.recipe) if args.recipe else recipes / "smollm2-135m" / ("int8.yaml" if args.low == "int8"
+                                                                                   else "nf4.yaml")
+    if not recipe_file.is_file():
+        raise ProfileError(f"recipe {recipe_file} not found")
+    argv = ["--config", str(recipe_file), "--output_dir", str(out), "--data_dir", str(out / "data")]
+    if args.data and Path(args.data).suffix.lower() not in _TEXT_SUFFIXES:
+        argv += ["--dataset", args.data]
+    if args.max_seq_len:
+        argv += ["--max_seq_len", str(args.max_seq_len)]
+    try:
+        recipe = finetune.load_config(argv)
+    except finetune.RecipeError as e:
+        raise ProfileError(str(e)) from None
+    return finetune, recipe
+
+
+def _text_batches(path: Path, tokenizer, n_batches: int, batch_size: int, seq_len: int) -> list[dict[str, Any]]:
+    ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+    chunks = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+    chunks = [c for c in chunks if len(c) > 1][: n_batches * batch_size]
+    if not chunks:
+        raise ProfileError(f"{path} holds fewer than 2 tokens")
+    batches = []
+    for i in range(0, len(chunks), batch_size):
+        group = chunks[i:i + batch_size]
+        width = max(len(c) for c in group)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([c + [pad] * (width - len(c)) for c in group])
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in group])
+        labels = input_ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": input_ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+def _record_batches(finetune, recipe, tokenizer, n_batches: int, batch_size: int, out: Path) -> list[dict[str, Any]]:
+    from transformers import DataCollatorForSeq2Seq
+
+    try:
+        records = finetune.load_records(recipe.script, str(out))
+        rows = finetune.tokenize_dataset(recipe.script, records.select(range(min(len(records), 4 * n_batches * batch_size))),
+                                         tokenizer)
+    except finetune.RecipeError as e:
+        raise ProfileError(str(e)) from None
+    rows = rows.select(range(min(len(rows), n_batches * batch_size)))
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    return [dict(collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))]))
+            for i in range(0, len(rows), batch_size)]
+
+
+def _run(args: argparse.Namespace) -> int:
+    budget_bytes, budget_fraction = parse_budget(args.budget)
+    criteria = _criteria(args.criterion)
+    for flag in ("batches", "batch_size", "max_seq_len", "threads"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.heldout_batches < 0:
+        raise ProfileError(f"--heldout-batches must be >= 0, got {args.heldout_batches}")
+    if args.data and not Path(args.data).exists():
+        raise ProfileError(f"--data {args.data}: no such file or folder")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from gnmr_hf._import_utils import require
+
+    for pkg in ("transformers", "bitsandbytes", "peft", "datasets"):
+        require(pkg, "gnmr-hf profile")
+    out = Path(args.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    # the model folder
+    if args.model == "smollm2-135m-instruct":
+        from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+
+        model_path = smollm2_checkpoint()
+    else:
+        model_path = Path(args.model)
+        if not (model_path / "config.json").is_file():
+            raise ProfileError(f"--model {args.model}: not a model folder (no config.json)")
+        if not list(model_path.glob("*.safetensors")):
+            raise ProfileError(f"--model {args.model}: no *.safetensors files (the BF16 weights the recovery path "
+                               "reads)")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    finetune, recipe = _load_recipe(args, out)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch_size = args.batch_size or recipe.training.per_device_train_batch_size
+    n_total = args.batches + args.heldout_batches
+    print(f"[profile] data: {args.data or 'the recipes generated training set'} ({n_total} batch(es) of {batch_size})",
+          flush=True)
+    if args.data and Path(args.data).suffix.lower() in _TEXT_SUFFIXES:
+        all_batches = _text_batches(Path(args.data), tokenizer, n_total, batch_size, args.max_seq_len or 512)
+    else:
+        all_batches = _record_batches(finetune, recipe, tokenizer, n_total, batch_size, out)
+    batches, heldout = all_batches[:args.batches], all_batches[args.batches:]
+    if not batches:
+        raise ProfileError("the data gave no batch")
+
+    import gnmr_hf
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
+    if args.low == "int8":
+        qconfig = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.low, bnb_4bit_compute_dtype=dtype)
+    device_map = {"": 0} if torch.cuda.is_available() else None
+    print(f"[profile] loading {model_path} in {args.low} ({dtype}) ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=qconfig,
+                                                 device_map=device_map)
+    if args.low != "int8":
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        keep_reference_layout(model)
+    model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=args.storage, units="linears",
+                                      dtype=dtype)
+    if "lora_grad" in criteria:
+        import peft
+
+        lora = recipe.lora
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha,
+                                                           lora_dropout=lora.lora_dropout,
+                                                           target_modules=lora.lora_target_modules,
+                                                           task_type="CAUSAL_LM"))
+
+    prof = profile_sensitivity(model, batches, criteria=criteria, progress=not args.quiet)
+    name = prof._score_name(criteria[0]) if criteria[0] not in prof.skipped else None
+    if name is None:
+        raise ProfileError(f"criterion {criteria[0]} was skipped: {prof.skipped[criteria[0]]}")
+
+    kw: dict[str, Any] = {"model": model, "batches": batches}
+    if heldout:
+        ref = measure_plan(model, [], heldout)
+        kw.update(heldout=heldout, heldout_reference=(ref["loss_low"], ref["loss_high"]))
+    main_plan = plan(prof, budget_bytes, budget_fraction=budget_fraction, criterion=name, **kw)
+    price = [plan(prof, budget_fraction=f, criterion=name, **kw) for f in PRICE_POINTS
+             if budget_fraction is None or abs(f - budget_fraction) > 1e-9]
+    price = sorted(price + [main_plan], key=lambda p: p.budget_bytes)
+
+    print()
+    print(prof.table(name, top=15))
+    print()
+    print(prof.cost_table())
+    print()
+    print(f"price table (gap closed = (L_low - L_plan) / (L_low - L_high); L_low {prof.losses['low']:.4f}, "
+          f"L_high {prof.losses['high']:.4f} on the profile batches):")
+    print(format_price_table(price))
+    print()
+    print(main_plan.summary())
+    skips = main_plan.skip_modules()
+    units_json = [{"index": u.index, "name": u.name, "bytes": u.bytes, "score": u.scores[name],
+                   "modules": u.modules, "layer": u.layer, "op": u.op, "scores": u.scores} for u in prof.units]
+    path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
+                        plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
+                        command="gnmr-hf profile " + shlex.join(args.argv))
+    written = [str(path)]
+    if not args.no_plot:
+        try:
+            written.append(str(plot_profile(prof, price, out / "profile.png", name,
+                                            title=f"{Path(str(model_path)).name}, {args.low}: {prof.tokens} tokens")))
+        except ImportError:
+            print("[profile] matplotlib is not installed: no profile.png (pip install matplotlib)", file=sys.stderr)
+    print()
+    print("load with these linears unquantised:\n"
+          f"  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type={args.low!r}, llm_int8_skip_modules=json.load("
+          f"open({str(path)!r}))['skip_modules'])" if args.low != "int8" else
+          f"  BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=json.load(open({str(path)!r}))['skip_modules'])")
+    print(f"[profile] wrote {', '.join(written)} in {time.time() - started:.0f} s")
+    return 0
+
+
+def random_sets(sizes: Sequence[int], budget: int, draws: int, seed: int = 0) -> list[list[int]]:
+    """``draws`` random unit sets of at most ``budget`` bytes: units in a seeded random order, each taken
+    when it still fits (the same fill rule as the greedy planner)."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(draws):
+        order = list(range(len(sizes)))
+        r.shuffle(order)
+        chosen, used = [], 0
+        for i in order:
+            if used + sizes[i] <= budget:
+                chosen.append(i)
+                used += sizes[i]
+        out.append(sorted(chosen))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
