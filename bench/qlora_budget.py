@@ -202,14 +202,17 @@ def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, An
     collate = _collator(tokenizer)
     bs = recipe.training.per_device_train_batch_size
     data = [collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]) for i in range(batches)]
+    from gnmr_hf.profile import DEFAULT_CRITERION
+
     t0 = time.perf_counter()
-    prof = gnmr_hf.profile_sensitivity(model, data)
+    prof = gnmr_hf.profile_sensitivity(model, data, criteria=(DEFAULT_CRITERION,))
     seconds = time.perf_counter() - t0
-    criterion = prof.default_criterion if hasattr(prof, "default_criterion") else None
-    units = prof.to_dict()["units"]
-    scores = [float(u["score"]) for u in units]
-    result = {"criterion": criterion, "batches": batches, "seconds": round(seconds, 1),
-              "units": [{"name": u["name"], "bytes": int(u["bytes"]), "score": s} for u, s in zip(units, scores)]}
+    prof.to_json(out_root / "profile_full.json")
+    scores = prof.scores(DEFAULT_CRITERION)
+    result = {"criterion": DEFAULT_CRITERION, "batches": batches, "seconds": round(seconds, 1),
+              "losses": {k: prof.losses[k] for k in ("low", "high")},
+              "units": [{"name": u.name, "bytes": int(u.bytes), "score": float(sc)}
+                        for u, sc in zip(prof.units, scores)]}
     tmp = profile_path(out_root).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, profile_path(out_root))
