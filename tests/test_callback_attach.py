@@ -15,7 +15,7 @@ from transformers.trainer_callback import DefaultFlowCallback  # noqa: E402
 import gnmr_hf  # noqa: E402
 from gnmr_hf.trainer.callback import GNMRCallback  # noqa: E402
 from gnmr_hf.trainer.state import GNMRState  # noqa: E402
-from tests.test_callback import SWITCHY, build, dataset, one_thread, read_trace, targs  # noqa: E402
+from tests.test_callback import MONITOR, SWITCHY, build, dataset, one_thread, read_trace, targs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -58,12 +58,12 @@ def test_attach_places_first_and_reporters_see_gnmr_keys(tiny_llama_dir, tmp_pat
         assert [s["gnmr/active"] for s in logs] == [float(len(r["active"])) for r in trace]
         assert "gnmr/summary/promotion_ratio" in reporter.seen[-1]
     assert any(r["active"] for r in trace)  # the values reported are not all zero
-    assert gnmr_hf.active_units(trainer.model) == trace[-1]["active"]
+    assert cb.active == trace[-1]["active"] and gnmr_hf.active_units(trainer.model) == []  # low-cost after train()
 
 
 def test_drop_in_is_placed_first_at_init(tiny_llama_dir, tmp_path):
     reporter = Reporter()
-    cb = GNMRCallback(SWITCHY, trace=False)
+    cb = GNMRCallback(MONITOR, trace=False)
     trainer = Trainer(model=build(tiny_llama_dir, "plain"), args=targs(tmp_path, max_steps=2),
                       train_dataset=dataset(), callbacks=[reporter, cb])
     callbacks = trainer.callback_handler.callbacks
@@ -85,4 +85,4 @@ def test_controller_state_is_reachable_after_attach(tiny_llama_dir, tmp_path):
     assert cb.controller is None
     trainer.train()
     assert cb.controller.t == 3
-    assert cb.active == gnmr_hf.active_units(trainer.model)
+    assert cb.active == cb.controller.last_record["active"] and gnmr_hf.active_units(trainer.model) == []

@@ -21,6 +21,7 @@ from gnmr_hf.core.controller import GNMRConfig, GNMRController  # noqa: E402
 from gnmr_hf.trainer.callback import GNMRCallback  # noqa: E402
 from gnmr_hf.trainer.grad_norms import UnitGradNorms  # noqa: E402
 from tests.test_callback import (  # noqa: E402
+    MONITOR,
     NUM_LAYERS,
     SWITCHY,
     build,
@@ -68,7 +69,7 @@ def test_step_that_raises_leaves_clipping_intact(tiny_llama_dir, tmp_path):
         model = raise_at_forward(build(tiny_llama_dir, "plain"), 3, ValueError("bad batch"))
         init = trainable(model)
         args = targs(tmp_path / arm, max_steps=6, max_grad_norm=max_norm)
-        callbacks = [GNMRCallback(SWITCHY)] if arm == "gnmr" else []
+        callbacks = [GNMRCallback(MONITOR)] if arm == "gnmr" else []
         trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
         with pytest.raises(ValueError, match="bad batch"):
             trainer.train()
@@ -96,7 +97,7 @@ def test_auto_find_batch_size_retry_clips_like_the_trainer(tiny_llama_dir, tmp_p
         model = raise_at_forward(build(tiny_llama_dir, "plain"), 1, RuntimeError(OOM))
         args = targs(tmp_path / arm, max_steps=5, max_grad_norm=max_norm, auto_find_batch_size=True,
                      per_device_train_batch_size=8)
-        callbacks = [GNMRCallback(SWITCHY)] if arm == "gnmr" else []
+        callbacks = [GNMRCallback(MONITOR)] if arm == "gnmr" else []
         trainer = Trainer(model=model, args=args, train_dataset=dataset(), callbacks=callbacks)
         trainer.train()
         assert trainer._train_batch_size == 7  # the retry ran (8 * 0.9)

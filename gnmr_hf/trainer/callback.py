@@ -45,9 +45,9 @@ class GNMRCallback(TrainerCallback):
     inside them), and builds the controller. At every optimizer step it takes each unit's gradient norm
     *before clipping* (after gradient accumulation and the DDP all-reduce) in the Trainer's own norm
     pass, steps the controller and puts the chosen units on the recovery path for the next step. On a
-    model without dual-path modules it runs monitor-only (a per-layer gradient-spike monitor whose run
-    is bit-identical to one without the callback). Use it as ``Trainer(..., callbacks=[GNMRCallback()])``
-    or with :func:`attach`.
+    model without dual-path modules it runs monitor-only with ``GNMRConfig(max_active=0)`` (a per-layer
+    gradient-spike monitor whose run is bit-identical to one without the callback). Use it as
+    ``Trainer(..., callbacks=[GNMRCallback()])`` or with :func:`attach`.
 
     Outputs: ``gnmr/active``, ``gnmr/promoted``, ``gnmr/demoted``, ``gnmr/over_gnmr``, ``gnmr/over_delta``,
     ``gnmr/hit_max``, ``gnmr/nonfinite``, ``gnmr/skipped`` (means over the steps since the last log) and
