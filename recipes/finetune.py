@@ -12,7 +12,10 @@ The configuration is parsed by ``transformers.HfArgumentParser`` into three data
 field names; a key ``include: other.yaml`` (a path relative to the file) reads that file first and lets
 this one override it, so a model's shared values live in one ``base.yaml``. The nested ``gnmr:`` block
 is ``gnmr_hf.GNMRConfig.from_dict`` input plus ``init_fraction``, ``storage`` and ``monitor``; on the
-command line its keys are ``--gnmr.KEY value``. Command-line values override the file.
+command line its keys are ``--gnmr.KEY value``. Command-line values override the file. A setting the
+chosen precision would ignore is an error, before anything is loaded (:func:`validate`): the
+``gnmr`` block outside gnmr / gnmr-nf4 (except a monitor-only run's statistics settings), ``bnb_4bit_*``
+outside nf4 / gnmr-nf4.
 
 The run, top to bottom: parse the configuration, load the base model for ``precision``
 
@@ -53,6 +56,9 @@ SMOLLM2 = "smollm2-135m-instruct"
 INT8_PRECISIONS = ("int8", "gnmr")
 NF4_PRECISIONS = ("nf4", "gnmr-nf4")
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
+# gnmr: keys that only choose which layers go to the recovery path, or where its weights live: a monitor-only
+# run (no dual path, nothing recoverable) never uses them
+SELECTION_KEYS = ("max_active", "lock_steps", "full_recovery_steps", "max_active_bytes", "storage")
 
 
 class RecipeError(Exception):
@@ -150,17 +156,25 @@ class GNMRArguments:
             steps; ``GNMRCallback`` turns it into ``init_steps`` once ``max_steps`` is known.
         storage (`str`): where the BF16 recovery weights live: host, device or disk.
         monitor (`bool`): on a bf16/int8/nf4 run, attach the callback monitor-only (a per-layer trace).
+        given (`dict[str, str]`): the block's keys set in the config file or on the command line (not
+            defaults), each with where it came from (``"in FILE"``, ``"on the command line"``);
+            :func:`validate` reads it.
     """
 
     config: Any
     init_fraction: float | None = None
     storage: str = "host"
     monitor: bool = False
+    given: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, block: dict[str, Any]) -> "GNMRArguments":
-        from gnmr_hf.core.controller import GNMRConfig
+    def from_dict(cls, block: dict[str, Any], given: dict[str, str] | None = None) -> "GNMRArguments":
+        """Parse and validate the block (every value, whatever the precision; see :func:`validate`
+        for which keys a precision uses). ``given``: where each key came from (``"in FILE"``, ``"on the
+        command line"``; default ``"in the gnmr block"``)."""
+        from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
 
+        given = {k: (given or {}).get(k, "in the gnmr block") for k in block}
         block = dict(block)
         own = {k: block.pop(k) for k in ("init_fraction", "storage", "monitor") if k in block}
         known = [f.name for f in dataclasses.fields(GNMRConfig)] + ["init_fraction", "storage", "monitor"]
@@ -175,7 +189,15 @@ class GNMRArguments:
             raise RecipeError(f"gnmr.storage must be host, device or disk, got {own['storage']!r}")
         if not isinstance(own.get("monitor", False), bool):
             raise RecipeError(f"gnmr.monitor must be true or false, got {own['monitor']!r}")
-        return cls(config=config, **own)
+        if own.get("init_fraction") is not None:
+            try:  # GNMRCallback's own rule, here so that it fails before the model is loaded
+                init_steps_from_fraction(own["init_fraction"], 0)
+            except ValueError as e:
+                raise RecipeError(f"gnmr.{e}") from None
+            if config.init_steps:
+                raise RecipeError(f"gnmr: give init_fraction ({own['init_fraction']}) or init_steps "
+                                  f"({config.init_steps}), not both")
+        return cls(config=config, given=given, **own)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self.config), "init_fraction": self.init_fraction, "storage": self.storage,
@@ -184,13 +206,18 @@ class GNMRArguments:
 
 @dataclass
 class Recipe:
-    """Everything one run needs, parsed and validated (see :func:`load_config`)."""
+    """Everything one run needs, parsed and validated (see :func:`load_config`).
+
+    ``given`` maps every ScriptArguments / LoraArguments / TrainingArguments key set in the config file (or
+    a file it includes) or on the command line to where it came from; the others are defaults.
+    """
 
     script: ScriptArguments
     lora: LoraArguments
     training: TrainingArguments
     gnmr: GNMRArguments
     config_file: str | None = None
+    given: dict[str, str] = field(default_factory=dict)
 
 
 class RecipeParser(HfArgumentParser):
@@ -213,6 +240,12 @@ class RecipeParser(HfArgumentParser):
 
     def known_keys(self) -> list[str]:
         return [a.dest for a in self._actions if a.option_strings and a.dest not in ("help", "config")]
+
+    def given_on_command_line(self, argv: list[str]) -> list[str]:
+        """The keys (dataclass field names) ``argv`` sets, under either spelling (``--max_steps``,
+        ``--max-steps``, ``--max_steps=3``)."""
+        dest = {o: a.dest for a in self._actions for o in a.option_strings if a.dest not in ("help", "config")}
+        return [dest[t.split("=", 1)[0]] for t in argv if t.startswith("--") and t.split("=", 1)[0] in dest]
 
 
 def _gnmr_help() -> str:
@@ -253,6 +286,25 @@ def read_config_file(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> 
     if gnmr:
         merged["gnmr"] = gnmr
     return merged
+
+
+def config_sources(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Which file of ``path``'s include chain set each key (``gnmr.KEY`` for the gnmr block's keys), in
+    :func:`read_config_file`'s merge order (the including file wins). Call it on a file that
+    :func:`read_config_file` has read (it assumes valid YAML and no include loop)."""
+    import yaml
+
+    path = Path(path)
+    data = yaml.safe_load(path.read_text()) or {}
+    out: dict[str, str] = {}
+    if data.get("include") is not None:
+        out.update(config_sources(path.parent / str(data["include"]), (*_chain, path.resolve())))
+    for key, value in data.items():
+        if key == "gnmr" and isinstance(value, dict):
+            out.update({f"gnmr.{k}": str(path) for k in value})
+        elif key != "include":
+            out[key] = str(path)
+    return out
 
 
 def _as_argv(key: str, value: Any) -> list[str]:
@@ -316,6 +368,10 @@ def load_config(argv: list[str]) -> Recipe:
     if not isinstance(gnmr_block, dict):
         raise RecipeError(f"gnmr in {config_file} must be a mapping of key: value")
     argv, gnmr_flags = _split_gnmr_flags(argv)
+    # which keys were set, and where (defaults are not "given"; see validate)
+    sources = config_sources(config_file) if config_file else {}
+    gnmr_given = {k: f"in {sources.get(f'gnmr.{k}', config_file)}" for k in gnmr_block}
+    gnmr_given.update({k: "on the command line" for k in gnmr_flags})
     gnmr_block.update(gnmr_flags)
 
     known = parser.known_keys()
@@ -337,8 +393,56 @@ def load_config(argv: list[str]) -> Recipe:
         flags = [r[2:].split("=")[0] for r in rest if r.startswith("--")] or rest
         raise _unknown(flags, known, "on the command line")
     script, lora, training = parsed[:3]
-    return Recipe(script=script, lora=lora, training=training, gnmr=GNMRArguments.from_dict(gnmr_block),
-                  config_file=config_file)
+    given = {k: f"in {sources.get(k, config_file)}" for k in settings}
+    given.update({k: "on the command line" for k in parser.given_on_command_line(argv)})
+    return Recipe(script=script, lora=lora, training=training, gnmr=GNMRArguments.from_dict(gnmr_block, gnmr_given),
+                  config_file=config_file, given=given)
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Refuse a setting that ``recipe.script.precision`` would ignore, before anything is loaded (:func:`run`
+    calls it first; :func:`load_config` checks each value, this checks them against the precision).
+
+    Raises ``RecipeError`` naming the key, where it was set and the precision. Only keys the config file (or
+    a file it includes) or the command line set count, whatever their value (``bnb_4bit_use_double_quant:
+    false`` too); defaults never do. The rules:
+
+    - ``bnb_4bit_*``: nf4 and gnmr-nf4 only (the other precisions load no 4-bit weight);
+    - the ``gnmr:`` block: gnmr and gnmr-nf4 (where ``monitor: true`` is refused: the callback switches
+      layers there); on bf16, int8 and nf4 only with ``monitor: true``, and then not the keys that choose
+      or store recovery weights (:data:`SELECTION_KEYS`; ``max_active: 0`` is allowed), since a monitor-only
+      run has none; ``monitor: false`` alone is allowed everywhere.
+
+    A monitor-only run gets ``max_active = 0`` (what ``GNMRCallback`` asks of a model without dual-path
+    layers), so run.json records the configuration the callback ran with. Returns ``recipe``.
+    """
+    precision, gnmr = recipe.script.precision, recipe.gnmr
+    four = [k for k in recipe.given if k.startswith("bnb_4bit_")]
+    if four and precision not in NF4_PRECISIONS:
+        k = four[0]
+        raise RecipeError(f"{k} (set {recipe.given[k]}) has no effect with precision {precision}: it applies to "
+                          f"the 4-bit base of precision nf4 or gnmr-nf4 only")
+    if precision in GNMR_PRECISIONS:
+        if gnmr.monitor:
+            raise RecipeError(f"gnmr.monitor: true (set {gnmr.given['monitor']}) has no effect with precision "
+                              f"{precision}: its callback switches layers to the recovery path; a monitor-only run is "
+                              "precision bf16, int8 or nf4 with gnmr.monitor: true")
+        return recipe
+    keys = [k for k in gnmr.given if k != "monitor"]
+    if keys and not gnmr.monitor:
+        k = keys[0]
+        raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect with precision {precision}: the gnmr "
+                          f"block applies to precision gnmr or gnmr-nf4, or to a monitor-only run (gnmr.monitor: "
+                          "true, its statistics settings only)")
+    unused = [k for k in keys if k in SELECTION_KEYS and not (k == "max_active" and gnmr.config.max_active == 0)]
+    if unused:
+        k = unused[0]
+        raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect on a monitor-only run (precision "
+                          f"{precision}, gnmr.monitor: true): no layer has a recovery path; it applies to "
+                          "precision gnmr or gnmr-nf4")
+    if gnmr.monitor:
+        gnmr.config = dataclasses.replace(gnmr.config, max_active=0)
+    return recipe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,6 +649,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
 
+    recipe = validate(recipe)  # before anything is loaded or written
     script, args = recipe.script, recipe.training
     start = time.time()
     # bitsandbytes warns on every INT8 matmul that it casts BF16 inputs to FP16; once is enough
@@ -561,15 +666,18 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     with args.main_process_first(desc="dataset"):
         train_ds = tokenize_dataset(script, load_records(script, args.output_dir), tokenizer)
 
-    model = load_model(recipe, model_path)
-    if args.process_index == 0:
-        model.print_trainable_parameters()
-
     callbacks = list(extra_callbacks or [])
     if script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
         import gnmr_hf
 
-        callbacks.append(gnmr_hf.GNMRCallback(recipe.gnmr.config, init_fraction=recipe.gnmr.init_fraction))
+        try:  # before the model: the callback's own argument checks end the run with one line
+            callbacks.append(gnmr_hf.GNMRCallback(recipe.gnmr.config, init_fraction=recipe.gnmr.init_fraction))
+        except (TypeError, ValueError) as e:
+            raise RecipeError(f"gnmr: {e}") from None
+
+    model = load_model(recipe, model_path)
+    if args.process_index == 0:
+        model.print_trainable_parameters()
 
     trainer = Trainer(
         model=model,
