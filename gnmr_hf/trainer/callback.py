@@ -167,7 +167,7 @@ class GNMRCallback(TrainerCallback):
         if model is None:
             raise ValueError("GNMRCallback needs the model (the Trainer passes it to callbacks)")
         if trainer is not None:
-            _refuse_second(trainer)
+            wiring.refuse_second(trainer, GNMRCallback)
         wiring.refuse_unsupported(args, trainer, model)
         try:
             self._units = resolve_units(model, self.units)
@@ -182,7 +182,8 @@ class GNMRCallback(TrainerCallback):
             warnings.warn(f"GNMRCallback: units without trainable parameters (norm always 0): {empty}", stacklevel=2)
         self._recoverable = recoverable_units(model, self._units)
         self._dual = list(dual_path_modules(model))
-        self._refuse_unprepared(model)
+        if self.policy is None:
+            wiring.refuse_unprepared(model, self.config.max_active, self._recoverable, self._dual)
         self.controller = self._build_controller(len(self._units), state.max_steps)
         if getattr(self.controller, "needs_microbatch_norms", False):
             if world_size() > 1:
@@ -216,19 +217,6 @@ class GNMRCallback(TrainerCallback):
                     "wraps it; the callback keeps that wrapper and reads the per-unit norms of the unclipped gradients "
                     "in a separate pass before each clip call (one extra norm pass over the units' gradients per "
                     "optimizer step)", stacklevel=2)
-
-    def _refuse_unprepared(self, model) -> None:
-        if self.policy is not None or self.config.max_active == 0 or any(self._recoverable):
-            return
-        where = ("none of its units holds a dual-path module" if self._dual
-                 else f"the model ({type(model).__name__}) has no dual-path module")
-        n = self.config.max_active
-        raise ValueError(
-            f"GNMRCallback: GNMRConfig(max_active={n}) puts up to {n} units on the recovery path, but {where}. "
-            "Load the model in 8-bit or 4-bit and call gnmr_hf.prepare_dual_path(model, recovery_source=..., "
-            "storage=...) before peft.get_peft_model(...); for a deliberate monitor-only run (a per-layer "
-            "gradient-spike monitor) pass GNMRConfig(max_active=0)."
-        )
 
     def _build_controller(self, num_units: int, max_steps: int) -> Any:
         if self.policy is None:
@@ -478,17 +466,6 @@ def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any)
     callback = GNMRCallback(config, **kwargs)
     wiring.place(trainer, callback)
     return callback
-
-
-def _refuse_second(trainer: Any) -> None:
-    found = [(i, cb) for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, GNMRCallback)]
-    if len(found) > 1:
-        named = " and ".join(f"callbacks[{i}] = {cb!r}" for i, cb in found)
-        raise ValueError(
-            f"GNMRCallback: this Trainer has {len(found)} GNMRCallbacks ({named}); a Trainer takes one GNMRCallback "
-            "(two would both answer the clip call and switch the same layers). Remove one with "
-            "trainer.remove_callback(callback)."
-        )
 
 
 def _checked_args(config: Any, units: Any, policy: Any, init_fraction: Any, trace: Any) -> GNMRConfig | None:

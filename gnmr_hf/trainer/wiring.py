@@ -205,6 +205,34 @@ def loss_scale(accelerator: Any) -> float:
     return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
 
+def refuse_second(trainer: Any, kind: type) -> None:
+    """``ValueError`` naming them when the Trainer holds more than one callback of ``kind``: two would both
+    answer the clip call and switch the same layers."""
+    found = [(i, cb) for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, kind)]
+    if len(found) > 1:
+        named = " and ".join(f"callbacks[{i}] = {cb!r}" for i, cb in found)
+        raise ValueError(
+            f"{kind.__name__}: this Trainer has {len(found)} {kind.__name__}s ({named}); a Trainer takes one "
+            f"{kind.__name__} (two would both answer the clip call and switch the same layers). Remove one with "
+            "trainer.remove_callback(callback)."
+        )
+
+
+def refuse_unprepared(model: torch.nn.Module, max_active: int, recoverable: list[bool], dual: list) -> None:
+    """``ValueError`` for a controller that may put units on the recovery path (``max_active > 0``) when no
+    unit has one: most likely ``prepare_dual_path`` was forgotten (``max_active=0`` is a monitor)."""
+    if max_active == 0 or any(recoverable):
+        return
+    where = ("none of its units holds a dual-path module" if dual
+             else f"the model ({type(model).__name__}) has no dual-path module")
+    raise ValueError(
+        f"GNMRCallback: GNMRConfig(max_active={max_active}) puts up to {max_active} units on the recovery path, "
+        f"but {where}. Load the model in 8-bit or 4-bit and call gnmr_hf.prepare_dual_path(model, "
+        "recovery_source=..., storage=...) before peft.get_peft_model(...); for a deliberate monitor-only run "
+        "(a per-layer gradient-spike monitor) pass GNMRConfig(max_active=0)."
+    )
+
+
 def refuse_unsupported(args: Any, trainer: Any, model: torch.nn.Module) -> None:
     """``ValueError`` for set-ups where per-unit norms of the local gradients would be wrong or absent:
     DeepSpeed, FSDP, XLA, and DTensor (tensor-parallel) parameters."""
