@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             "--max_steps", str(steps), "--per_device_train_batch_size", str(args.batch_size),
             "--gradient_accumulation_steps", "1", "--max_seq_len", str(seq_len),
             "--logging_steps", "1", "--save_strategy", "no",
-            "--gnmr.max_active", str(max_active), "--gnmr.storage", args.storage,
         ]
+        if precision.startswith("gnmr"):  # the recipe refuses gnmr keys its precision would ignore
+            overrides += ["--gnmr.max_active", str(max_active), "--gnmr.storage", args.storage]
         if args.dry_run:  # CPU: no BF16 autocast, no checkpointing (nothing to save on a tiny model)
             overrides += ["--bf16", "false", "--activation_checkpointing", "false"]
         cfg = ft.load_config(overrides)
