@@ -39,7 +39,7 @@ from tests.test_callback import (  # noqa: E402
     targs,
     trainable,
 )
-from tests.test_callback_faults import raise_at_forward  # noqa: E402
+from tests.test_callback_faults import ScalerTrainer, raise_at_forward  # noqa: E402
 
 # every step on the recovery path (the full-recovery warm-up never ends in these runs): the mask that
 # could outlive a step is never empty
@@ -367,6 +367,25 @@ def test_foreign_clip_wrapper_is_kept(tiny2, tmp_path, max_norm):
         assert r["norms"] == pytest.approx(ref, rel=1e-6)  # the pre-clip norms
     if max_norm:
         assert min(math.sqrt(sum(x * x for x in r["norms"])) for r in trace) > 2 * max_norm  # clipping acted
+
+
+def test_foreign_clip_wrapper_with_a_loss_scaler(tiny2, tmp_path):
+    """The separate pass reads gradients still multiplied by the fp16 loss scale (the wrapper's inner
+    accelerate clip unscales them): it divides the scale out, and an overflow step is still skipped. The
+    run equals the one whose clip call the callback answers itself."""
+    traces = []
+    for arm in ("fused", "wrapped"):
+        trainer = ScalerTrainer(model=build(tiny2), args=targs(tmp_path / arm, max_steps=8, max_grad_norm=1.0),
+                                train_dataset=dataset(), callbacks=[GNMRCallback(SWITCHY)])
+        trainer.overflow_at = (4,)
+        if arm == "wrapped":
+            wrapper = CountingClip(trainer)
+        trainer.train()
+        traces.append(read_trace(tmp_path / arm))
+    assert wrapper.calls == 8
+    assert [r["step"] for r in traces[1] if r.get("skipped")] == [4]
+    assert traces[1] == traces[0]
+    assert any(r["active"] for r in traces[0])
 
 
 # ---------------------------------------------------------------------------------------------------------
