@@ -204,6 +204,77 @@ class GNMRArguments:
                 "monitor": self.monitor}
 
 
+PROFILE_POLICIES = ("static", "hybrid")
+BLOCKS = ("gnmr", "profile")  # the config file's nested blocks (merged key by key through include:)
+
+
+@dataclass
+class ProfileArguments:
+    """The ``profile:`` block (precision gnmr or gnmr-nf4): before training, measure where the low-cost
+    path's error is on the first ``batches`` training batches (``gnmr_hf.profile_sensitivity``, every
+    quantised linear its own unit), plan the linears to keep on BF16 within ``budget`` (greedy by score
+    per byte), and train with that plan.
+
+    Args:
+        budget (`str`): extra BF16 bytes: a percentage of the quantised weights' BF16 bytes (``"10%"``),
+            a fraction (``0.1``) or a size (``"300MB"``); see ``gnmr_hf.profile.parse_budget``.
+        criterion (`str`): the profile criterion (``gnmr_hf.profile.CRITERIA``; default its default).
+        batches (`int`): training batches to profile on.
+        policy (`str`): ``static``: the planned set on BF16 at every step (``gnmr_hf.StaticPolicy``);
+            ``hybrid``: the planned set within ``1 - gnmr_share`` of the budget, and GNMR (the ``gnmr:``
+            block's thresholds, locks and window) over the other linears with the rest
+            (``gnmr_hf.HybridPolicy``).
+        gnmr_share (`float`): hybrid: the share of the budget GNMR gets.
+        given (`dict[str, str]`): the keys set in a file or on the command line, and where.
+    """
+
+    enabled: bool = False
+    budget: str = "10%"
+    criterion: str | None = None
+    batches: int = 2
+    policy: str = "static"
+    gnmr_share: float = 0.25
+    given: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, block: dict[str, Any], given: dict[str, str] | None = None) -> "ProfileArguments":
+        """Parse and check the block (one-line ``RecipeError`` naming the key)."""
+        from gnmr_hf.profile import CRITERIA, parse_budget
+
+        known = ["budget", "criterion", "batches", "policy", "gnmr_share"]
+        unknown = sorted(set(block) - set(known))
+        if unknown:
+            raise _unknown([f"profile.{k}" for k in unknown], [f"profile.{k}" for k in known], "in the profile block")
+        out = cls(enabled=True, given={k: (given or {}).get(k, "in the profile block") for k in block})
+        if "budget" in block:
+            out.budget = str(block["budget"])
+        try:
+            parse_budget(out.budget)
+        except ValueError as e:
+            raise RecipeError(f"profile.{e}") from None
+        if block.get("criterion") is not None:
+            if block["criterion"] not in CRITERIA:
+                raise RecipeError(f"profile.criterion must be one of {', '.join(CRITERIA)}, got {block['criterion']!r}")
+            out.criterion = block["criterion"]
+        if "batches" in block:
+            if isinstance(block["batches"], bool) or not isinstance(block["batches"], int) or block["batches"] < 1:
+                raise RecipeError(f"profile.batches must be an integer >= 1, got {block['batches']!r}")
+            out.batches = block["batches"]
+        if "policy" in block:
+            if block["policy"] not in PROFILE_POLICIES:
+                raise RecipeError(f"profile.policy must be static or hybrid, got {block['policy']!r}")
+            out.policy = block["policy"]
+        if "gnmr_share" in block:
+            share = block["gnmr_share"]
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+                raise RecipeError(f"profile.gnmr_share must be a number in (0, 1), got {share!r}")
+            out.gnmr_share = float(share)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "given"}
+
+
 @dataclass
 class Recipe:
     """Everything one run needs, parsed and validated (see :func:`load_config`).
@@ -218,6 +289,7 @@ class Recipe:
     gnmr: GNMRArguments
     config_file: str | None = None
     given: dict[str, str] = field(default_factory=dict)
+    profile: ProfileArguments = field(default_factory=ProfileArguments)
 
 
 class RecipeParser(HfArgumentParser):
@@ -259,7 +331,7 @@ def _gnmr_help() -> str:
 def read_config_file(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML config as a dict, its ``include:`` chain resolved (the including file's keys win).
 
-    The ``gnmr:`` blocks merge key by key, so a variant file can change one GNMR value.
+    The ``gnmr:`` and ``profile:`` blocks merge key by key, so a variant file can change one value.
 
     Args:
         path: the YAML file.
@@ -281,10 +353,15 @@ def read_config_file(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> 
     if include is None:
         return data
     merged = read_config_file(path.parent / str(include), (*_chain, path.resolve()))
-    gnmr = {**(merged.get("gnmr") or {}), **(data.pop("gnmr", None) or {})}
+    blocks = {}
+    for name in BLOCKS:
+        inner, outer = merged.get(name), data.pop(name, None)
+        if isinstance(inner, dict) and isinstance(outer, dict):
+            blocks[name] = {**inner, **outer}
+        elif outer is not None or inner is not None:
+            blocks[name] = outer if outer is not None else inner
     merged.update(data)
-    if gnmr:
-        merged["gnmr"] = gnmr
+    merged.update(blocks)
     return merged
 
 
@@ -300,8 +377,8 @@ def config_sources(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> di
     if data.get("include") is not None:
         out.update(config_sources(path.parent / str(data["include"]), (*_chain, path.resolve())))
     for key, value in data.items():
-        if key == "gnmr" and isinstance(value, dict):
-            out.update({f"gnmr.{k}": str(path) for k in value})
+        if key in BLOCKS and isinstance(value, dict):
+            out.update({f"{key}.{k}": str(path) for k in value})
         elif key != "include":
             out[key] = str(path)
     return out
@@ -324,18 +401,20 @@ def _unknown(keys: list[str], known: list[str], where: str) -> RecipeError:
     return RecipeError(f"unknown key(s) {where}: {', '.join(hints)}")
 
 
-def _split_gnmr_flags(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """Take ``--gnmr.KEY value`` / ``--gnmr.KEY=value`` out of ``argv``; values are read as YAML scalars."""
+def _split_gnmr_flags(argv: list[str], block_name: str = "gnmr") -> tuple[list[str], dict[str, Any]]:
+    """Take ``--gnmr.KEY value`` / ``--gnmr.KEY=value`` (or another block's) out of ``argv``; values are
+    read as YAML scalars."""
     import yaml
 
+    prefix = f"--{block_name}."
     rest, block, i = [], {}, 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--gnmr."):
+        if not arg.startswith(prefix):
             rest.append(arg)
             i += 1
             continue
-        key, eq, value = arg[len("--gnmr."):].partition("=")
+        key, eq, value = arg[len(prefix):].partition("=")
         if not eq:
             if i + 1 >= len(argv):
                 raise RecipeError(f"{arg} needs a value")
@@ -373,6 +452,16 @@ def load_config(argv: list[str]) -> Recipe:
     gnmr_given = {k: f"in {sources.get(f'gnmr.{k}', config_file)}" for k in gnmr_block}
     gnmr_given.update({k: "on the command line" for k in gnmr_flags})
     gnmr_block.update(gnmr_flags)
+    profile_block = settings.pop("profile", None)
+    if profile_block is not None and not isinstance(profile_block, dict):
+        raise RecipeError(f"profile in {config_file} must be a mapping of key: value")
+    argv, profile_flags = _split_gnmr_flags(argv, "profile")
+    profile_given = {k: f"in {sources.get(f'profile.{k}', config_file)}" for k in (profile_block or {})}
+    profile_given.update({k: "on the command line" for k in profile_flags})
+    if profile_block is not None or profile_flags:
+        profile = ProfileArguments.from_dict({**(profile_block or {}), **profile_flags}, profile_given)
+    else:
+        profile = ProfileArguments()
 
     known = parser.known_keys()
     unknown = sorted(set(settings) - set(known))
@@ -396,7 +485,7 @@ def load_config(argv: list[str]) -> Recipe:
     given = {k: f"in {sources.get(k, config_file)}" for k in settings}
     given.update({k: "on the command line" for k in parser.given_on_command_line(argv)})
     return Recipe(script=script, lora=lora, training=training, gnmr=GNMRArguments.from_dict(gnmr_block, gnmr_given),
-                  config_file=config_file, given=given)
+                  config_file=config_file, given=given, profile=profile)
 
 
 def validate(recipe: Recipe) -> Recipe:
@@ -417,6 +506,10 @@ def validate(recipe: Recipe) -> Recipe:
     layers), so run.json records the configuration the callback ran with. Returns ``recipe``.
     """
     precision, gnmr = recipe.script.precision, recipe.gnmr
+    if recipe.profile.enabled and precision not in GNMR_PRECISIONS:
+        where = next(iter(recipe.profile.given.values()), "in the profile block")
+        raise RecipeError(f"profile (set {where}) has no effect with precision {precision}: the planned BF16 linears "
+                          "need the recovery path of precision gnmr or gnmr-nf4")
     four = [k for k in recipe.given if k.startswith("bnb_4bit_")]
     if four and precision not in NF4_PRECISIONS:
         k = four[0]
@@ -517,8 +610,9 @@ def load_model(recipe: Recipe, model_path: str):
         import gnmr_hf
 
         # before LoRA: the dual-path layers replace the quantised linears that LoRA then wraps
+        # a profile plans single linears: each is its own unit (units="linears"), else the decoder layers
         model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage,
-                                          dtype=dtype)
+                                          dtype=dtype, units="linears" if recipe.profile.enabled else None)
     elif recipe.script.precision in NF4_PRECISIONS:
         from gnmr_hf.backends.bnb_4bit import keep_reference_layout
 
@@ -639,6 +733,58 @@ def peak_memory() -> dict[str, Any]:
 # the run
 
 
+def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dict[str, Any]]:
+    """Profile the first ``recipe.profile.batches`` training batches, plan the BF16 linears within the
+    budget and build the callback's policy (``StaticPolicy`` or ``HybridPolicy``); writes
+    ``{output_dir}/profile.json`` (the profile, the plan and its ``skip_modules``) on the main process.
+
+    Returns:
+        ``(policy, plan_record)``.
+    """
+    from transformers import DataCollatorForSeq2Seq
+
+    import gnmr_hf
+    from gnmr_hf.core.controller import init_steps_from_fraction
+    from gnmr_hf.profile import DEFAULT_CRITERION, parse_budget
+
+    prof_args, args = recipe.profile, recipe.training
+    bs = args.per_device_train_batch_size
+    if len(train_ds) < prof_args.batches * bs:
+        raise RecipeError(f"profile.batches {prof_args.batches} x batch size {bs} is more than the "
+                          f"{len(train_ds)} training examples")
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    device = next(p.device for p in model.parameters())
+    batches = [{k: v.to(device) for k, v in collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]).items()}
+               for i in range(prof_args.batches)]
+    criterion = prof_args.criterion or DEFAULT_CRITERION
+    # every rank profiles the same batches of the same weights, so every rank plans the same set
+    profile = gnmr_hf.profile_sensitivity(model, batches, criteria=(criterion,),
+                                          progress=args.process_index == 0 and not args.disable_tqdm)
+    budget_bytes, fraction = parse_budget(prof_args.budget)
+    budget = budget_bytes if budget_bytes is not None else int(fraction * profile.total_bytes)
+    planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
+    plan = gnmr_hf.plan(profile, budget_bytes=planned_budget, criterion=criterion, model=model, batches=batches)
+    unit_bytes = [u.bytes for u in profile.units]
+    U = len(unit_bytes)
+    if prof_args.policy == "static":
+        policy = gnmr_hf.StaticPolicy(U, plan.indices, max_active=max(1, len(plan.indices)), unit_bytes=unit_bytes)
+    else:
+        config = recipe.gnmr.config
+        if recipe.gnmr.init_fraction is not None:
+            steps = args.max_steps if args.max_steps > 0 else 0
+            config = dataclasses.replace(config, init_steps=init_steps_from_fraction(recipe.gnmr.init_fraction, steps))
+        config = dataclasses.replace(config, max_active=U, max_active_bytes=budget - plan.bytes)
+        policy = gnmr_hf.HybridPolicy(U, plan.indices, config, unit_bytes=unit_bytes)
+    record = {"criterion": criterion, "budget_bytes": budget, "policy": prof_args.policy, **plan.to_dict(),
+              "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
+    if args.process_index == 0:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        profile.to_json(Path(args.output_dir) / "profile.json", plan=record, skip_modules=plan.skip_modules())
+        print(plan.summary())
+        print(f"profile.json: llm_int8_skip_modules for a stock BitsAndBytesConfig: {len(plan.skip_modules())} names")
+    return policy, record
+
+
 def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     """Train one LoRA adapter as ``recipe`` says; returns the run.json record (written on rank 0).
 
@@ -667,7 +813,9 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         train_ds = tokenize_dataset(script, load_records(script, args.output_dir), tokenizer)
 
     callbacks = list(extra_callbacks or [])
-    if script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
+    if recipe.profile.enabled:
+        pass  # the callback needs the plan: built after the model is loaded and profiled
+    elif script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
         import gnmr_hf
 
         try:  # before the model: the callback's own argument checks end the run with one line
@@ -678,6 +826,10 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     model = load_model(recipe, model_path)
     if args.process_index == 0:
         model.print_trainable_parameters()
+    planned = None
+    if recipe.profile.enabled:
+        policy, planned = planned_policy(recipe, model, train_ds, tokenizer)
+        callbacks.append(__import__("gnmr_hf").GNMRCallback(policy=policy))
 
     trainer = Trainer(
         model=model,
@@ -716,6 +868,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
             **peak_memory(),
             "gnmr_summary": None,
         }
+        if planned is not None:
+            record["profile"] = {**recipe.profile.to_dict(), "plan": planned}
         summary = Path(args.output_dir) / "gnmr_summary.json"
         if summary.is_file():
             record["gnmr_summary"] = json.loads(summary.read_text())

@@ -1,0 +1,79 @@
+"""The recipe's ``profile:`` block: parse and refusals (fast), and a 3-step planned / hybrid SmolLM2 run (slow)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import finetune  # noqa: E402
+
+SMOL = ROOT / "recipes" / "smollm2-135m"
+
+
+def test_planned_and_hybrid_recipes_parse_and_merge_the_block_key_by_key():
+    planned = finetune.validate(finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml")]))
+    assert planned.script.precision == "gnmr-nf4"
+    assert (planned.profile.enabled, planned.profile.budget, planned.profile.batches, planned.profile.policy) == \
+        (True, "10%", 2, "static")
+    hybrid = finetune.load_config(["--config", str(SMOL / "hybrid-nf4.yaml"), "--profile.budget", "5%"])
+    # policy from hybrid-nf4.yaml, batches from the file it includes, budget from the command line
+    assert (hybrid.profile.policy, hybrid.profile.batches, hybrid.profile.budget) == ("hybrid", 2, "5%")
+    assert hybrid.profile.given["budget"] == "on the command line"
+    assert hybrid.profile.given["batches"] == f"in {SMOL / 'planned-nf4.yaml'}"
+    assert not finetune.load_config(["--config", str(SMOL / "gnmr-nf4.yaml")]).profile.enabled
+    llama = finetune.validate(finetune.load_config(["--config", str(ROOT / "recipes/llama2-13b/planned-nf4.yaml")]))
+    assert llama.profile.enabled and llama.script.precision == "gnmr-nf4"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile.budget", "lots"], r"profile\.budget 'lots' is not a percentage"),
+    (["--profile.policy", "dynamic"], r"profile\.policy must be static or hybrid, got 'dynamic'"),
+    (["--profile.batches", "0"], r"profile\.batches must be an integer >= 1, got 0"),
+    (["--profile.gnmr_share", "1.5"], r"profile\.gnmr_share must be a number in \(0, 1\)"),
+    (["--profile.criterion", "magic"], r"profile\.criterion must be one of .*first_order"),
+    (["--profile.steps", "3"], r"profile\.steps"),
+])
+def test_bad_profile_values_are_one_line_errors(argv, message):
+    with pytest.raises(finetune.RecipeError, match=message) as e:
+        finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"), *argv])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "nf4"])
+def test_profile_needs_a_recovery_path(precision):
+    recipe = finetune.load_config(["--config", str(SMOL / f"{precision}.yaml"), "--profile.budget", "5%"])
+    with pytest.raises(finetune.RecipeError, match=f"profile .*no effect with precision {precision}"):
+        finetune.validate(recipe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["planned-nf4", "hybrid-nf4"])
+def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
+    from tests.test_recipes_e2e import _launch, _trace
+
+    out = tmp_path / recipe
+    _launch("cpu.yaml", recipe, out, "--profile.budget", "5%")
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "complete" and record["global_step"] == 3
+    plan = record["profile"]["plan"]
+    assert plan["bytes"] <= plan["budget_bytes"] and plan["indices"]
+    saved = json.loads((out / "profile.json").read_text())
+    assert len(saved["units"]) == 210 and saved["plan"]["indices"] == plan["indices"]
+    assert saved["skip_modules"] == plan["skip_modules"]
+    lines = _trace(out)
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    total = saved["total_bytes"]
+    for x in lines:
+        assert set(plan["indices"]) <= set(x["active"])  # the planned set is on BF16 at every step
+        assert x["active_bytes"] <= 0.05 * total + 1
+    if recipe == "planned-nf4":
+        assert all(sorted(x["active"]) == sorted(plan["indices"]) for x in lines)
+        assert plan["bytes"] <= 0.05 * total
+    else:  # the plan takes 3/4 of the budget, GNMR the rest
+        assert plan["bytes"] <= 0.75 * 0.05 * total + 1
+        assert all(x["budget_bytes"] == int(0.05 * total) - plan["bytes"] for x in lines)
