@@ -201,7 +201,7 @@ def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, An
     train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_run")
     collate = _collator(tokenizer)
     bs = recipe.training.per_device_train_batch_size
-    data = [collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]) for i in range(batches)]
+    data = [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
     from gnmr_hf.profile import DEFAULT_CRITERION
 
     t0 = time.perf_counter()
