@@ -200,7 +200,9 @@ def main() -> None:
         cb = None
         if arm in ("monitor", "gnmr"):
             # thresholds of the paper's stress test; the trace is written as in a real run
-            cb = timed_gnmr_callback(config={"max_active": a.max_active, "alpha": 1.1, "alpha_init": 1.5, "beta": 1.5})
+            # monitor-only: max_active 0 (a model without dual-path layers; GNMRCallback refuses more)
+            max_active = a.max_active if arm == "gnmr" else 0
+            cb = timed_gnmr_callback(config={"max_active": max_active, "alpha": 1.1, "alpha_init": 1.5, "beta": 1.5})
             callbacks.append(cb)
         args = TrainingArguments(
             output_dir=os.path.join(out, arm), max_steps=a.steps, per_device_train_batch_size=a.batch_size,
