@@ -132,7 +132,8 @@ class SensitivityProfile:
         criteria: the criteria run (keys of :data:`CRITERIA`).
         losses: ``low`` and ``high`` (mean loss per target token with every unit low / high) and their
             per-batch values ``low_per_batch``, ``high_per_batch``.
-        costs: per criterion (and ``reference``, the two loss forwards): ``seconds``, ``forwards``,
+        costs: per criterion (and ``reference``, the two loss forwards): ``seconds`` (wall), ``cpu_seconds``
+            (process CPU time, all threads), ``forwards``,
             ``backwards``, ``peak_mem_bytes`` (peak increase over the start), ``mem_kind``.
         batches, tokens: how many batches and target tokens the profile saw.
         keep_modules: what stock transformers keeps unquantised by default (the output embedding,
@@ -204,10 +205,12 @@ class SensitivityProfile:
 
     def cost_table(self) -> str:
         """A markdown table of each criterion's cost."""
-        lines = ["| criterion | seconds | forwards | backwards | peak memory MiB |", "|---|---|---|---|---|"]
+        lines = ["| criterion | seconds | CPU seconds | forwards | backwards | peak memory MiB |",
+                 "|---|---|---|---|---|---|"]
         for name, c in self.costs.items():
             mem = c.get("peak_mem_bytes")
-            lines.append(f"| {name} | {c['seconds']:.1f} | {c['forwards']} | {c['backwards']} | "
+            lines.append(f"| {name} | {c['seconds']:.1f} | {_fmt(c.get('cpu_seconds'), '.1f')} | {c['forwards']} | "
+                         f"{c['backwards']} | "
                          f"{'-' if mem is None else f'{mem / 2**20:.0f}'} |")
         return "\n".join(lines)
 
@@ -391,7 +394,8 @@ def _set_path(units: list[_Unit], high: Iterable[int]) -> None:
 
 
 class _Meter:
-    """Seconds and peak memory increase of a block (CUDA allocator on a GPU, else sampled process RSS)."""
+    """Wall seconds, process CPU seconds (all threads; on a busy machine the steadier figure) and peak
+    memory increase of a block (CUDA allocator on a GPU, else sampled process RSS)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -411,6 +415,7 @@ class _Meter:
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
         return self
 
     def _sample(self) -> None:
@@ -423,6 +428,7 @@ class _Meter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
         if self.device.type == "cuda":
             self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
         else:
@@ -443,7 +449,7 @@ def _rss() -> int | None:
 
 
 def _cost(meter: _Meter, forwards: int, backwards: int, note: str = "") -> dict[str, Any]:
-    out = {"seconds": meter.seconds, "forwards": forwards, "backwards": backwards, "peak_mem_bytes": meter.peak,
+    out = {"seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds, "forwards": forwards, "backwards": backwards, "peak_mem_bytes": meter.peak,
            "mem_kind": meter.kind}
     if note:
         out["note"] = note
@@ -1063,7 +1069,7 @@ def plot_profile(profile: SensitivityProfile, plans: Sequence[PrecisionPlan], pa
     ax1.plot([0, 100], [0, 1], ":", color="grey", label="proportional to bytes")
     ax1.set_xlabel("extra BF16 bytes, % of the quantised weights' BF16 bytes")
     ax1.set_ylabel("gap closed  (L_low - L_plan) / (L_low - L_high)")
-    ax1.set_xscale("symlog", linthresh=1)
+    ax1.set_xlim(0, max(30.0, 1.1 * max(xs[1:-1], default=0.0)))
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ax1.set_title(f"plans by {name}")
@@ -1084,7 +1090,7 @@ def plot_profile(profile: SensitivityProfile, plans: Sequence[PrecisionPlan], pa
     ax2.set_yticks(range(len(layers)), [str(v) for v in layers], fontsize=6 if len(layers) > 20 else 8)
     ax2.set_ylabel("decoder layer")
     ax2.set_title(f"{name} score per unit")
-    fig.colorbar(im, ax=ax2)
+    fig.colorbar(im, ax=ax2, label=name + (" (loss gain)" if name in GAIN_SCORES else ""))
     if title:
         fig.suptitle(title)
     fig.tight_layout()

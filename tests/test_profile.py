@@ -443,8 +443,12 @@ def test_cli_end_to_end_on_smollm2(smollm2_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "price table" in r.stdout and "| 5 % |" in r.stdout and "| 25 % |" in r.stdout
     data = json.loads((out / "profile.json").read_text())
-    assert data["skip_modules"][0] == "lm_head" and len(data["skip_modules"]) > 1
-    assert all(s.startswith("model.layers.") for s in data["skip_modules"][1:])
+    # first what transformers keeps by default (a given list replaces it), then the planned linears
+    keep = data["keep_modules"]
+    assert "lm_head" in keep and data["skip_modules"][:len(keep)] == keep
+    planned = data["skip_modules"][len(keep):]
+    assert planned and all(s.startswith("model.layers.") for s in planned)
+    assert planned == data["plan"]["modules"]
     assert len(data["units"]) == 210
     assert {"name", "bytes", "score"} <= set(data["units"][0])
     assert data["units"][2]["name"] == "layers.0.self_attn.v_proj" and data["units"][2]["bytes"] == 576 * 192 * 2

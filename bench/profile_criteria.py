@@ -1,0 +1,366 @@
+"""Which sensitivity criterion chooses the BF16 linears best, and what it costs (SmolLM2-135M-Instruct, NF4).
+
+The model: SmolLM2-135M-Instruct in bitsandbytes NF4 with FP32 compute (``bnb_4bit_compute_dtype=float32``;
+this CPU has no BF16 matrix units), every linear of the 30 decoder layers a dual-path unit
+(``prepare_dual_path(..., units="linears", dtype=float32)``: 210 units, the recovery path the checkpoint's
+BF16 weights upcast to FP32), with the recipes' LoRA (r=8, alpha 16, all seven projections; B = 0 at
+initialisation, so it changes no loss) for the ``lora_grad`` criterion.
+
+1. The profile text (the first 6,000 characters of ``recipes/stress/corpus_sample/introduction.rst.txt``,
+   one sequence) is profiled under every criterion of :func:`gnmr_hf.profile_sensitivity` (``loss``, the
+   reference; ``first_order``; ``output`` / ``output_rel``; ``lora_grad`` / ``lora_grad_rel``), each timed.
+2. Spearman rank correlation of every score with the ``loss`` gains over the 210 units.
+3. For each score and budget (5, 10, 25 % of the quantised weights' BF16 bytes), the greedy plan by score
+   per byte (:func:`gnmr_hf.plan`; also ``loss`` by score alone), its gap closed
+   ``(L_low - L_plan) / (L_low - L_high)`` measured on the profile text and on two held-out texts (the first
+   6,000 characters of ``controlflow.rst.txt`` and ``datastructures.rst.txt``), against random sets of the
+   same bytes (``--draws`` seeded draws).
+4. The cost of profiling as a share of one training step of the ``nf4`` SmolLM2 recipe setting (LoRA r=8 on
+   all seven projections, its batch of 4 generated problems, AdamW): every criterion on one recipe batch
+   and ``first_order`` on the CLI's default of two batches, against the median of 3 timed training steps
+   (forward + backward + optimizer step; one warm-up step first).
+
+Resumable: each stage's result is kept in ``OUT/results.json`` (and the profile in ``OUT/profile.json``)
+and skipped when present. One torch thread (a shared 2-core machine)::
+
+    nohup python bench/profile_criteria.py --out bench/results/profile_criteria \\
+        > bench/results/profile_criteria/log.txt 2>&1 &
+    python bench/profile_criteria.py --out bench/results/profile_criteria --report   # the tables again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "recipes" / "stress" / "corpus_sample"
+PROFILE_TEXT = "introduction.rst.txt"
+HELDOUT_TEXTS = ("controlflow.rst.txt", "datastructures.rst.txt")
+CHARS = 6000
+BUDGETS = (0.05, 0.10, 0.25)
+# score -> how the plan picks (per byte, as gnmr_hf.plan; "loss (by score)" ranks by the gain alone)
+PLANNED = ("loss", "first_order", "output", "output_rel", "lora_grad", "lora_grad_rel")
+
+
+def rankdata(values: Any) -> np.ndarray:
+    """Ranks 1..n, ties given their average rank (as scipy.stats.rankdata)."""
+    a = np.asarray(values, dtype=np.float64)
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(len(a), dtype=np.float64)
+    sorted_a = a[order]
+    i = 0
+    while i < len(a):
+        j = i
+        while j + 1 < len(a) and sorted_a[j + 1] == sorted_a[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Any, y: Any) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the (tie-averaged) ranks."""
+    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    return float((rx * ry).sum() / den) if den else math.nan
+
+
+def by_score(scores: list[float], sizes: list[int], budget: int) -> list[int]:
+    """Greedy by score alone (not per byte), skipping what no longer fits; non-positive scores never."""
+    order = sorted((i for i, s in enumerate(scores) if math.isfinite(s) and s > 0), key=lambda i: (-scores[i], i))
+    chosen, used = [], 0
+    for i in order:
+        if used + sizes[i] <= budget:
+            chosen.append(i)
+            used += sizes[i]
+    return sorted(chosen)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+
+
+def load_model(threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    import gnmr_hf
+    from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+    from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=torch.float32))
+    keep_reference_layout(model)
+    model = gnmr_hf.prepare_dual_path(model, recovery_source=path, units="linears", dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    return model.eval(), tok, path
+
+
+def text_batch(tok, name: str) -> dict[str, Any]:
+    import torch
+
+    ids = tok((CORPUS / name).read_text()[:CHARS], return_tensors="pt")["input_ids"]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def recipe_batches(tok, n: int, out: Path) -> tuple[list[dict[str, Any]], Any]:
+    """``n`` batches of the nf4 recipe's training data, tokenised and collated as the recipe does."""
+    import tempfile
+
+    from gnmr_hf import profile as P
+
+    work = Path(tempfile.mkdtemp(prefix="profile_criteria_"))  # the generated data files, not results
+    args = argparse.Namespace(recipe=None, low="nf4", data=None, max_seq_len=None)
+    finetune, recipe = P._load_recipe(args, work)
+    bs = recipe.training.per_device_train_batch_size
+    return P._record_batches(finetune, recipe, tok, n, bs, work), recipe
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def save(out: Path, results: dict[str, Any]) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out / "results.json")
+
+
+def stage_profile(model, texts, out: Path, results: dict[str, Any]):
+    from gnmr_hf.profile import SensitivityProfile, profile_sensitivity
+
+    path = out / "profile.json"
+    if path.is_file():
+        return SensitivityProfile.from_json(path)
+    t0 = time.time()
+    prof = profile_sensitivity(model, [texts[PROFILE_TEXT]], criteria="all", progress=True)
+    prof.to_json(path, text=PROFILE_TEXT, chars=CHARS)
+    results["profile_seconds"] = time.time() - t0
+    save(out, results)
+    return prof
+
+
+def stage_references(model, texts, prof, results, out):
+    from gnmr_hf.profile import measure_plan
+
+    if "references" in results:
+        return
+    refs = {PROFILE_TEXT: {"loss_low": prof.losses["low"], "loss_high": prof.losses["high"],
+                           "tokens": int(texts[PROFILE_TEXT]["input_ids"].shape[1])}}
+    for name in HELDOUT_TEXTS:
+        m = measure_plan(model, [], [texts[name]])
+        refs[name] = {"loss_low": m["loss_low"], "loss_high": m["loss_high"],
+                      "tokens": int(texts[name]["input_ids"].shape[1])}
+        print(f"[bench] {name}: L_low {m['loss_low']:.4f} L_high {m['loss_high']:.4f}", flush=True)
+    results["references"] = refs
+    save(out, results)
+
+
+def measure_all(model, texts, indices, refs) -> dict[str, float]:
+    from gnmr_hf.profile import measure_plan
+
+    out = {}
+    for name, batch in texts.items():
+        r = refs[name]
+        out[name] = measure_plan(model, indices, [batch], reference=(r["loss_low"], r["loss_high"]))["gap_closed"]
+    return out
+
+
+def stage_plans(model, texts, prof, results, out, draws: int) -> None:
+    from gnmr_hf.profile import greedy_select, random_sets
+
+    refs = results["references"]
+    sizes = [u.bytes for u in prof.units]
+    rows = results.setdefault("plans", {})
+    for frac in BUDGETS:
+        budget = int(frac * prof.total_bytes)
+        candidates = [(s, "per byte", greedy_select(prof.scores(s), sizes, budget)) for s in PLANNED
+                      if s in prof.score_names]
+        candidates.append(("loss", "by score", by_score(prof.scores("loss"), sizes, budget)))
+        for score, how, chosen in candidates:
+            key = f"{score}|{how}|{frac}"
+            if key in rows:
+                continue
+            t0 = time.time()
+            gaps = measure_all(model, texts, chosen, refs)
+            rows[key] = {"score": score, "how": how, "budget": frac, "indices": chosen, "n": len(chosen),
+                         "bytes": sum(sizes[i] for i in chosen), "gap_closed": gaps,
+                         "predicted": sum(prof.units[i].scores["loss"] for i in chosen) / prof.gap}
+            save(out, results)
+            print(f"[bench] {frac:.0%} {score} ({how}): {len(chosen)} units, gap closed "
+                  + ", ".join(f"{v:.3f}" for v in gaps.values()) + f"  ({time.time() - t0:.0f} s)", flush=True)
+        for d, chosen in enumerate(random_sets(sizes, budget, draws, seed=int(frac * 1000))):
+            key = f"random{d}|random|{frac}"
+            if key in rows:
+                continue
+            gaps = measure_all(model, texts, chosen, refs)
+            rows[key] = {"score": "random", "how": f"draw {d}", "budget": frac, "indices": chosen, "n": len(chosen),
+                         "bytes": sum(sizes[i] for i in chosen), "gap_closed": gaps,
+                         "predicted": sum(prof.units[i].scores["loss"] for i in chosen) / prof.gap}
+            save(out, results)
+            print(f"[bench] {frac:.0%} random draw {d}: {len(chosen)} units, gap closed "
+                  + ", ".join(f"{v:.3f}" for v in gaps.values()), flush=True)
+
+
+def stage_costs(model, tok, results, out) -> None:
+    """Every criterion on one recipe batch, first_order on two, against a training step of the recipe."""
+    import torch
+
+    from gnmr_hf.profile import profile_sensitivity
+
+    if "step_costs" in results:
+        return
+    batches, recipe = recipe_batches(tok, 2, out)
+    prof1 = profile_sensitivity(model, batches[:1], criteria="all", progress=True)
+    prof2 = profile_sensitivity(model, batches, criteria=("first_order",))
+    # the training step: LoRA on, dropout on, AdamW as the recipe (the LoRA weights are restored afterwards)
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    opt = torch.optim.AdamW(params, lr=recipe.training.learning_rate, weight_decay=0.0)
+    model.train()
+    times, cpu = [], []
+    for i in range(4):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = model(**{k: v for k, v in batches[i % 2].items() if k != "use_cache"}).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    model.eval()
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    step, step_cpu = statistics.median(times), statistics.median(cpu)
+    results["step_costs"] = {
+        "batch": [list(b["input_ids"].shape) for b in batches],
+        "train_step_seconds": times, "train_step_median": step,
+        "train_step_cpu_seconds": cpu, "train_step_cpu_median": step_cpu,
+        "one_batch": {k: v for k, v in prof1.costs.items()},
+        "two_batches_first_order": prof2.costs["first_order"],
+        "share_of_step": {k: v["cpu_seconds"] / step_cpu for k, v in prof1.costs.items()},
+        "first_order_two_batches_share": prof2.costs["first_order"]["cpu_seconds"] / step_cpu,
+    }
+    save(out, results)
+    print(f"[bench] training step {step:.2f} s; criterion cost in training steps (one batch): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in results["step_costs"]["share_of_step"].items()), flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def report(out: Path) -> str:
+    from gnmr_hf.profile import SensitivityProfile
+
+    results = json.loads((out / "results.json").read_text())
+    prof = SensitivityProfile.from_json(out / "profile.json")
+    lines = [f"SmolLM2-135M-Instruct NF4 (FP32 compute), 210 linears; profile text {PROFILE_TEXT} "
+             f"({prof.tokens + 1} tokens): L_low {prof.losses['low']:.4f}, L_high {prof.losses['high']:.4f}", ""]
+    refs = results.get("references", {})
+    for name, r in refs.items():
+        lines.append(f"- {name}: {r['tokens']} tokens, L_low {r['loss_low']:.4f}, L_high {r['loss_high']:.4f}")
+    loss = prof.scores("loss")
+    lines += ["", f"single loss gains sum to {sum(loss) / prof.gap:.2f} x the gap; "
+              f"{sum(v > 0 for v in loss)} of {len(loss)} units have a positive gain", ""]
+    head = "| criterion | Spearman with loss | seconds | CPU seconds | forwards | backwards | peak MiB |"
+    lines += [head, "|---|---|---|---|---|---|---|"]
+    crit_of = {"loss": "loss", "first_order": "first_order", "output": "output", "output_rel": "output",
+               "lora_grad": "lora_grad", "lora_grad_rel": "lora_grad"}
+    for s in PLANNED:
+        if s not in prof.score_names:
+            continue
+        c = prof.costs[crit_of[s]]
+        mem = c.get("peak_mem_bytes")
+        lines.append(f"| {s} | {spearman(prof.scores(s), loss):.3f} | {c['seconds']:.1f} | {c['cpu_seconds']:.1f} | "
+                     f"{c['forwards']} | "
+                     f"{c['backwards']} | {'-' if mem is None else f'{mem / 2**20:.0f}'} |")
+    c = prof.costs["reference"]
+    lines.append(f"| (L_low, L_high) | - | {c['seconds']:.1f} | {c['cpu_seconds']:.1f} | {c['forwards']} | 0 | - |")
+    rows = results.get("plans", {})
+    texts = [PROFILE_TEXT, *HELDOUT_TEXTS]
+    lines += ["", "Gap closed (L_low - L_plan) / (L_low - L_high) by the plan's set on each text "
+              "(random: mean [min, max] over draws)", "",
+              "| budget | chosen by | units | MiB | predicted (sum of single loss gains) | "
+              + " | ".join(texts) + " |", "|---|---|---|---|---|" + "---|" * len(texts)]
+    for frac in BUDGETS:
+        for s in [*PLANNED, "loss|by score"]:
+            score, _, how = s.partition("|")
+            key = f"{score}|{how or 'per byte'}|{frac}"
+            if key not in rows:
+                continue
+            r = rows[key]
+            label = f"{score} ({how})" if how else f"{score} (per byte)"
+            lines.append(f"| {frac:.0%} | {label} | {r['n']} | {r['bytes'] / 2**20:.1f} | {r['predicted']:.2f} | "
+                         + " | ".join(f"{r['gap_closed'][t]:.3f}" for t in texts) + " |")
+        rnd = [r for r in rows.values() if r["score"] == "random" and r["budget"] == frac]
+        if rnd:
+            cells = []
+            for t in texts:
+                v = [r["gap_closed"][t] for r in rnd]
+                cells.append(f"{statistics.mean(v):.3f} [{min(v):.3f}, {max(v):.3f}]")
+            lines.append(f"| {frac:.0%} | random ({len(rnd)} draws) | {statistics.mean(r['n'] for r in rnd):.0f} | "
+                         f"{statistics.mean(r['bytes'] for r in rnd) / 2**20:.1f} | "
+                         f"{statistics.mean(r['predicted'] for r in rnd):.2f} | " + " | ".join(cells) + " |")
+    sc = results.get("step_costs")
+    if sc:
+        lines += ["", f"Cost on the nf4 recipe's batch ({sc['batch'][0]} tokens): one training step (forward + "
+                  f"backward + AdamW, LoRA r=8 on all seven projections) {sc['train_step_cpu_median']:.2f} CPU s, "
+                  f"{sc['train_step_median']:.2f} s wall (median of {len(sc['train_step_seconds'])})", "",
+                  "| criterion | CPU seconds (one batch) | wall seconds | training steps (CPU time) |", "|---|---|---|---|"]
+        for k, v in sc["one_batch"].items():
+            lines.append(f"| {k} | {v['cpu_seconds']:.1f} | {v['seconds']:.1f} | {sc['share_of_step'][k]:.2f} |")
+        two = sc["two_batches_first_order"]
+        lines.append(f"| first_order on two batches (the CLI default) | {two['cpu_seconds']:.1f} | {two['seconds']:.1f} | "
+                     f"{sc['first_order_two_batches_share']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "profile_criteria"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--draws", type=int, default=5, help="random sets per budget (default 5)")
+    p.add_argument("--report", action="store_true", help="only print the tables of a finished run")
+    p.add_argument("--skip-costs", action="store_true", help="skip the training-step cost stage")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+        model, tok, _ = load_model(args.threads)
+        texts = {name: text_batch(tok, name) for name in (PROFILE_TEXT, *HELDOUT_TEXTS)}
+        t0 = time.time()
+        prof = stage_profile(model, texts, out, results)
+        print(prof.cost_table(), flush=True)
+        stage_references(model, texts, prof, results, out)
+        stage_plans(model, texts, prof, results, out, args.draws)
+        if not args.skip_costs:
+            stage_costs(model, tok, results, out)
+        print(f"[bench] done in {time.time() - t0:.0f} s", flush=True)
+    text = report(out)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
