@@ -31,7 +31,7 @@ from gnmr_hf.trainer.grad_norms import MicroBatchNorms, UnitGradNorms
 from gnmr_hf.trainer.ranks import RankAgreement, world_size
 from gnmr_hf.trainer.state import GNMRState, check_saved, policy_settings, saved_entries, with_state_entry
 from gnmr_hf.trainer.trace import TRACE_NAME, LogWindow, TraceWriter, jsonable
-from gnmr_hf.units import Unit, resolve_units
+from gnmr_hf.units import UNIT_GRAINS, Unit, resolve_units, short_name
 
 # per-step record keys that are counts (or lists whose length is the count), logged as gnmr/<key>
 _LOGGED_KEYS = ("active", "promoted", "demoted", "over_gnmr", "over_delta", "hit_max", "nonfinite", "skipped")
@@ -65,7 +65,9 @@ class GNMRCallback(TrainerCallback):
         config (`GNMRConfig` or `dict`, *optional*): controller configuration (a dict goes through
             ``GNMRConfig.from_dict``). Defaults to ``GNMRConfig()``.
         units (*optional*): ``None`` for the decoder layers, a list of module names, or a callable
-            ``model -> [(name, module), ...]`` (see :func:`gnmr_hf.units.resolve_units`).
+            ``model -> [(name, module), ...]``, or ``"layers"`` / ``"linears"`` (one unit per linear); None
+            follows the grain ``prepare_dual_path(..., units=...)`` recorded (see :func:`gnmr_hf.units.resolve_units`).
+            With ``config.max_active_bytes`` the controller gets each unit's recovery bytes (:meth:`unit_bytes`).
         policy (*optional*): a trigger policy used instead of ``GNMRController`` (baselines, see
             :mod:`gnmr_hf.core.policies` for the interface): an object, or a class/factory (callable
             without a ``step`` attribute) called at train begin as ``policy(U, recoverable=[bool] * U)``.
@@ -127,6 +129,7 @@ class GNMRCallback(TrainerCallback):
 
     def _reset_run(self) -> None:
         self.controller: Any = None
+        self._unit_bytes: list[int] | None = None  # with a byte budget: each unit's recovery bytes
         self._units: list[Unit] = []
         self._norms: UnitGradNorms | None = None
         self._recoverable: list[bool] = []
@@ -218,12 +221,28 @@ class GNMRCallback(TrainerCallback):
                     "in a separate pass before each clip call (one extra norm pass over the units' gradients per "
                     "optimizer step)", stacklevel=2)
 
+    def unit_bytes(self) -> list[int]:
+        """Each unit's recovery bytes: the checkpoint weights its dual-path layers hold while promoted, in the
+        dtype they are kept in (``prepare_dual_path(dtype=...)``, BF16 by default); 0 for a unit whose
+        dual-path layers hold no weight (activation quantisation, MX)."""
+        out = []
+        for _, unit in self._units:
+            total = 0
+            for m in dual_path_modules(unit):
+                source = getattr(m, "_gnmr_source", None)
+                if source is not None:
+                    total += m.out_features * m.in_features * torch.finfo(source.dtype).bits // 8
+            out.append(total)
+        return out
+
     def _build_controller(self, num_units: int, max_steps: int) -> Any:
         if self.policy is None:
             config = self.config
             if self.init_fraction is not None:
                 config = dataclasses.replace(config, init_steps=init_steps_from_fraction(self.init_fraction, max_steps))
-            return GNMRController(num_units, config, recoverable=list(self._recoverable))
+            if config.max_active_bytes is not None:
+                self._unit_bytes = self.unit_bytes()
+            return GNMRController(num_units, config, recoverable=list(self._recoverable), unit_bytes=self._unit_bytes)
         policy = self.policy
         if isinstance(policy, type) or (callable(policy) and not hasattr(policy, "step")):
             policy = policy(num_units, recoverable=list(self._recoverable))
@@ -423,7 +442,10 @@ class GNMRCallback(TrainerCallback):
                     summary = None
                     if finished:
                         summary = {"summary": self.controller.summary(), "steps": int(self._last_step),
-                                   "units": [n for n, _ in self._units], "recoverable": list(self._recoverable)}
+                                   "units": [short_name(n) for n, _ in self._units],
+                                   "recoverable": list(self._recoverable)}
+                        if self._unit_bytes is not None:
+                            summary["unit_bytes"] = list(self._unit_bytes)
                     self._trace.close(summary)
                     self._trace = None
             finally:
@@ -484,8 +506,9 @@ def _checked_args(config: Any, units: Any, policy: Any, init_fraction: Any, trac
         init_steps_from_fraction(init_fraction, 0)  # validates: ValueError naming init_fraction
         if config.init_steps:
             raise ValueError("GNMRCallback: give init_fraction or config.init_steps, not both")
-    if isinstance(units, str):
-        raise TypeError("GNMRCallback: units must be a list of module names or a callable, not a single string")
+    if isinstance(units, str) and units not in UNIT_GRAINS:
+        raise TypeError(f"GNMRCallback: units must be one of {UNIT_GRAINS}, a list of module names or a callable, "
+                        f"got the string {units!r}")
     if not isinstance(trace, (bool, str)):
         raise TypeError(f"GNMRCallback: trace must be a bool or a path, got {type(trace).__name__}")
     return config
