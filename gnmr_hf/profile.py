@@ -1028,6 +1028,11 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
     return int(value * _UNITS[unit]), None
 
 
+def _pct(fraction: float) -> str:
+    v = 100 * fraction
+    return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
+
+
 def format_price_table(plans: Sequence[PrecisionPlan]) -> str:
     """The price table: per budget, predicted and measured gap closed, bytes and modules."""
     wheres = sorted({w for p in plans for w in p.measured}, key=lambda w: (w != "profile", w))
@@ -1035,7 +1040,7 @@ def format_price_table(plans: Sequence[PrecisionPlan]) -> str:
         "extra MiB (BF16)", "% of quantised", "modules"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in plans:
-        row = [f"{100 * p.budget_fraction:.0f} %", p.criterion, _fmt(p.predicted_gap_closed, ".3f")]
+        row = [f"{_pct(p.budget_fraction)} %", p.criterion, _fmt(p.predicted_gap_closed, ".3f")]
         row += [_fmt(p.measured.get(w, {}).get("gap_closed"), ".3f") for w in wheres]
         row += [f"{p.bytes / 2**20:.1f}", f"{100 * p.fraction:.1f}", str(len(p.indices))]
         lines.append("| " + " | ".join(row) + " |")
