@@ -43,8 +43,9 @@ class GNMRCallback(TrainerCallback):
     At train begin the callback finds the units (the decoder layers by default), their trainable
     parameters and which units have a recovery path (a :class:`~gnmr_hf.backends.base.DualPathModule`
     inside them), and builds the controller. At every optimizer step it takes each unit's gradient norm
-    *before clipping* (after gradient accumulation and the DDP all-reduce) in the Trainer's own norm
-    pass, steps the controller and puts the chosen units on the recovery path for the next step. On a
+    *before clipping* (after gradient accumulation and the DDP all-reduce; under FSDP2 the local shards'
+    squares summed over the mesh in the clip's one all-reduce) in the Trainer's own norm pass, steps the
+    controller and puts the chosen units on the recovery path for the next step. On a
     model without dual-path modules it runs monitor-only with ``GNMRConfig(max_active=0)`` (a per-layer
     gradient-spike monitor whose run is bit-identical to one without the callback). Use it as
     ``Trainer(..., callbacks=[GNMRCallback()])`` or with :func:`attach`.
@@ -86,7 +87,8 @@ class GNMRCallback(TrainerCallback):
             instead of warning and restarting the GNMR statistics.
 
     Refused at train begin with ``ValueError``: a second ``GNMRCallback`` on the same Trainer, DeepSpeed,
-    FSDP, DTensor (tensor-parallel) parameters (per-unit norms of local shards would be wrong), no units,
+    FSDP1, DTensor parameters other than FSDP2 shards (tensor parallelism, HSDP), bitsandbytes dual-path
+    layers under FSDP (already when the Trainer is built; use DDP), no units,
     no trainable parameter in any unit, a ``GNMRConfig`` with ``max_active > 0`` on a model without
     dual-path modules (forgotten :func:`gnmr_hf.prepare_dual_path`; ``max_active=0`` is a monitor), and a
     checkpoint whose GNMR state differs from this run (units, config, policy or policy settings).
@@ -158,9 +160,10 @@ class GNMRCallback(TrainerCallback):
 
     # ------------------------------------------------------------------------------------ set-up
 
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args, state, control, model=None, **kwargs):
         trainer = wiring.find_trainer(self)
         if trainer is not None:
+            wiring.refuse_bnb_sharded(args, trainer, model)  # before accelerate shards the model in train()
             wiring.place(trainer, self)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

@@ -4,11 +4,23 @@ The Trainer clips with ``torch.nn.utils.clip_grad_norm_``: one ``torch._foreach_
 (device, dtype) group, the total as the 2-norm of those per-tensor norms, then one foreach multiply.
 :meth:`UnitGradNorms.clip_` does exactly that (so the clipped gradients are bit-identical) and sums the
 same per-tensor norms into one squared norm per unit, instead of a second pass over the gradients.
+
+Under FSDP2 (``torch.distributed.fsdp.fully_shard``) every gradient is a ``DTensor`` whose local shard is
+a slice of the full gradient (``Shard`` placements on a 1-D mesh). torch's own clip then takes the norm
+of each local shard (a ``_NormPartial``), reduces the stacked per-tensor squares over the mesh (an
+all-reduce: ``x ** 2 -> sum -> ** 0.5``) and takes the 2-norm of the reduced per-tensor norms. The
+clip here does the same arithmetic on the local shards with **one** all-reduce per step: a float64
+vector holding the per-unit squared norms of the local shards and, after them, the per-tensor squares
+that torch reduces (rounded in the gradients' dtype first, as torch rounds them). The unit part of the
+sum is the per-unit squared norm of the full, unsharded gradient; the tensor part gives torch's total
+norm (see :func:`_reduce`), so the clipped shards and the returned total (a replicated ``DTensor``, as
+torch returns it) are those of ``torch.nn.utils.clip_grad_norm_`` on the same ``DTensor`` gradients.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -71,12 +83,16 @@ class UnitGradNorms:
         present = [(i, t) for i, t in enumerate(tensors) if t is not None]
         if not present:
             return None
-        device = present[0][1].device
+        mesh, local = shards([t for _, t in present])
+        device = local[0].device
         sq = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        for pos, norms in _per_tensor_norms([t for _, t in present], fp32_half=True):
+        for pos, norms in _per_tensor_norms(local, fp32_half=True):
             vals = torch.stack([n.to(device) for n in norms]).to(torch.float64).square()
             sq[torch.tensor([present[j][0] for j in pos], device=device)] = vals
-        return self._to_units(sq, self._pair_param, self._pair_unit)
+        units = self._to_units(sq, self._pair_param, self._pair_unit)
+        if mesh is not None:  # the local shards' squares, summed over the mesh: the full gradients' squares
+            torch.distributed.all_reduce(units, group=mesh.get_group())
+        return units
 
     @torch.no_grad()
     def clip_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,19 +117,25 @@ class UnitGradNorms:
         if not grads:
             total = torch.tensor(0.0)
             return total, torch.zeros(self.num_units, dtype=torch.float64)
-        first_device = grads[0].device
+        mesh, local = shards(grads)
+        first_device = local[0].device
         norms: list[torch.Tensor] = []
-        sq = torch.empty(len(grads), dtype=torch.float64, device=first_device)
-        for (_, dtype), ([tensors], pos) in _group_tensors_by_device_and_dtype([grads], with_indices=True).items():
+        sq = torch.empty(len(local), dtype=torch.float64, device=first_device)
+        for (_, dtype), ([tensors], pos) in _group_tensors_by_device_and_dtype([local], with_indices=True).items():
             group = torch._foreach_norm(tensors, 2.0)
             norms.extend(group)
             # fp32 accumulation for the per-unit sums of half-precision gradients (a bf16 norm has 3 digits)
             exact = torch._foreach_norm(tensors, 2.0, dtype=torch.float32) if dtype in _HALF else group
             sq[torch.tensor(pos, device=first_device)] = torch.stack([n.to(first_device) for n in exact]).double().square()
-        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), 2.0)
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         pair_grad, pair_unit = self._clip_pairs(parameters, first_device)
-        return total, self._to_units(sq, pair_grad, pair_unit)
+        units = self._to_units(sq, pair_grad, pair_unit)
+        stacked = torch.stack([n.to(first_device) for n in norms])
+        if mesh is None:
+            total = torch.linalg.vector_norm(stacked, 2.0)
+        else:
+            units, total = _reduce(units, stacked, mesh)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total, units
 
     def _clip_pairs(self, parameters: list[torch.nn.Parameter], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(index into the list of present gradients, unit) pairs for the units' parameters."""
@@ -131,6 +153,52 @@ class UnitGradNorms:
     def _to_units(self, sq: torch.Tensor, pair_src: torch.Tensor, pair_unit: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.num_units, dtype=torch.float64, device=sq.device)
         return out.index_add_(0, pair_unit.to(sq.device), sq[pair_src.to(sq.device)])
+
+
+def shards(tensors: Sequence[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    """``(mesh, local tensors)``: for FSDP2 ``DTensor`` gradients their 1-D mesh and local shards, for plain
+    tensors ``(None, tensors)``.
+
+    Raises:
+        RuntimeError: a mix of ``DTensor`` and plain tensors, ``DTensor`` s on different meshes, a mesh of
+            more than one dimension, or a placement other than ``Shard`` (replicated or partial values would
+            be counted once per rank).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    if not dtensors:
+        return None, list(tensors)
+    mesh = dtensors[0].device_mesh
+    if len(dtensors) != len(tensors):
+        raise RuntimeError(f"GNMRCallback: {len(tensors) - len(dtensors)} of {len(tensors)} gradients are plain "
+                           "tensors beside FSDP2 DTensor shards; per-unit norms need every gradient on one mesh")
+    for t in dtensors:
+        if t.device_mesh != mesh or mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in t.placements):
+            raise RuntimeError(f"GNMRCallback: a gradient on {t.device_mesh} with placements {t.placements}; per-unit "
+                               f"norms of sharded gradients need every gradient sharded (Shard) on one 1-D mesh")
+    return mesh, [t.to_local() for t in dtensors]
+
+
+def _reduce(units: torch.Tensor, stacked: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One all-reduce over ``mesh`` of the local per-unit squared norms ``[U]`` and the per-tensor squares of
+    the local norms ``stacked`` ``[P]``; returns the full per-unit squared norms and the total norm as
+    ``torch.nn.utils.clip_grad_norm_`` computes it for ``DTensor`` gradients (a replicated ``DTensor``).
+
+    torch reduces each tensor's ``_NormPartial`` norm as ``n ** 2`` summed over the ranks in ``n``'s dtype,
+    then ``** 0.5``, and takes the 2-norm of those. Here ``n ** 2`` is rounded in ``n``'s dtype as torch rounds
+    it and summed in float64: for two ranks the float64 sum of two fp32 (or bf16) values is exact, so
+    rounding it back gives the bits of torch's fp32 (bf16) sum; with more ranks the backend's own summation
+    order is not specified either, and the total may differ from torch's in the last bits.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    buf = torch.cat([units, (stacked ** 2.0).to(torch.float64)])
+    torch.distributed.all_reduce(buf, group=mesh.get_group())
+    u = len(units)
+    per_tensor = buf[u:].to(stacked.dtype) ** (1.0 / 2.0)
+    total = torch.linalg.vector_norm(per_tensor, 2.0)
+    return buf[:u], DTensor.from_local(total, mesh, [Replicate()], run_check=False)
 
 
 def _per_tensor_norms(tensors: list[torch.Tensor], fp32_half: bool) -> list[tuple[list[int], list[torch.Tensor]]]:

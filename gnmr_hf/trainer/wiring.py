@@ -233,22 +233,110 @@ def refuse_unprepared(model: torch.nn.Module, max_active: int, recoverable: list
     )
 
 
+BNB_FSDP_REFUSED = (
+    "GNMRCallback: bitsandbytes dual-path layers ({names}) cannot run under FSDP: FSDP2 with bitsandbytes 4-bit "
+    "weights is unreliable upstream today (accelerate issue #3983: QLoRA training silently corrupted; accelerate "
+    "PR #3987 keeps Params4bit out of the sharding instead of sharding it), and sharding the INT8 weights is not "
+    "supported either. Train the bitsandbytes dual path with DDP: accelerate launch --multi_gpu --num_processes N "
+    "(recipes/accelerate/2gpu-ddp.yaml), each GPU holding the quantised model; FSDP2 is supported for the act-quant "
+    "and MX low paths (docs/fsdp2.md)."
+)
+
+
+def bnb_dual_path(model: torch.nn.Module) -> list[str]:
+    """Names of the dual-path modules built on a bitsandbytes layer (INT8 ``Linear8bitLt``, 4-bit ``Linear4bit``)."""
+    from gnmr_hf.backends.base import DualPathModule
+
+    return [name for name, m in model.named_modules() if isinstance(m, DualPathModule)
+            and any(c.__module__.split(".")[0] == "bitsandbytes" for c in type(m).__mro__)]
+
+
+def fsdp_requested(args: Any, trainer: Any) -> bool:
+    """Whether the run asks for FSDP: ``TrainingArguments(fsdp=...)``, an accelerate FSDP plugin or state."""
+    kind = str(getattr(getattr(trainer, "accelerator", None), "distributed_type", ""))
+    return bool(getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False) or "FSDP" in kind)
+
+
+def refuse_bnb_sharded(args: Any, trainer: Any, model: torch.nn.Module) -> None:
+    """``ValueError`` (:data:`BNB_FSDP_REFUSED`) for bitsandbytes dual-path layers in a run that asks for FSDP or
+    whose parameters are already ``DTensor`` s. Checked when the callback joins the Trainer (before accelerate
+    shards the model) and again at train begin."""
+    if model is None:
+        return
+    sharded = fsdp_requested(args, trainer) or _any_dtensor(model)
+    if not sharded:
+        return
+    names = bnb_dual_path(model)
+    if names:
+        shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+        raise ValueError(BNB_FSDP_REFUSED.format(names=shown))
+
+
+def _any_dtensor(model: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def fsdp2_mesh(model: torch.nn.Module) -> Any:
+    """The 1-D device mesh of an FSDP2 model whose trainable parameters are all ``DTensor`` shards on it (``None``
+    for a model without ``DTensor`` parameters).
+
+    Raises:
+        ValueError: ``DTensor`` parameters that are not such FSDP2 shards: tensor parallelism (replicated or
+            partial placements, no ``fully_shard``), a mesh of more than one dimension (HSDP, FSDP x TP), several
+            meshes, or trainable plain tensors beside the shards (the Trainer measures such a run's norm outside
+            ``accelerator.clip_grad_norm_``, which the callback answers).
+    """
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sharded = [(n, p) for n, p in trainable if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+    mesh = sharded[0][1].device_mesh
+    odd = [n for n, p in sharded if p.device_mesh != mesh or not all(isinstance(pl, Shard) for pl in p.placements)]
+    if not fsdp or odd or mesh.ndim != 1:
+        name = odd[0] if odd else sharded[0][0]
+        raise ValueError(
+            f"GNMRCallback does not support DTensor (tensor-parallel) parameters ({name}, ...): per-unit norms of "
+            "local shards would be wrong; FSDP2 (fully_shard, every trainable parameter sharded on one 1-D mesh) is "
+            "supported, otherwise use DDP (tp_size=1)"
+        )
+    plain = [n for n, p in trainable if not isinstance(p, DTensor)]
+    if plain:
+        raise ValueError(
+            f"GNMRCallback: under FSDP2 the trainable parameters {plain[:3]} are plain tensors beside the DTensor "
+            "shards (added after fully_shard?); the Trainer then measures the gradient norm outside "
+            "accelerator.clip_grad_norm_, where the callback takes the per-unit norms. Shard every trainable "
+            "parameter (add adapters before the model is prepared) or use DDP"
+        )
+    return mesh
+
+
 def refuse_unsupported(args: Any, trainer: Any, model: torch.nn.Module) -> None:
     """``ValueError`` for set-ups where per-unit norms of the local gradients would be wrong or absent:
-    DeepSpeed, FSDP, XLA, and DTensor (tensor-parallel) parameters."""
+    DeepSpeed, FSDP1 (flat parameters) or FSDP that did not shard the model, XLA, DTensor parameters that are
+    not FSDP2 shards (tensor parallelism, HSDP), and bitsandbytes dual-path layers under FSDP
+    (:data:`BNB_FSDP_REFUSED`). FSDP2 (``fully_shard``: every trainable parameter a ``Shard`` on one 1-D mesh) is
+    supported: the callback reduces the per-unit norms of the local shards over the mesh."""
     if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError("GNMRCallback does not support DeepSpeed (it needs the full per-unit gradients on every rank)")
-    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError("GNMRCallback does not support FSDP (gradients are sharded); use DDP")
     kind = str(getattr(getattr(trainer, "accelerator", None), "distributed_type", ""))
-    if "DEEPSPEED" in kind or "FSDP" in kind or "XLA" in kind:
+    if "DEEPSPEED" in kind or "XLA" in kind:
         raise ValueError(f"GNMRCallback does not support the {kind} accelerate setup; use DDP")
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        sharded = [n for n, p in model.named_parameters() if p.requires_grad and isinstance(p, DTensor)]
-        if sharded:
-            raise ValueError(
-                f"GNMRCallback does not support DTensor (tensor-parallel) parameters ({sharded[0]}, ...): per-unit "
-                "norms of local shards would be wrong; use DDP (tp_size=1)"
-            )
+    refuse_bnb_sharded(args, trainer, model)
+    mesh = fsdp2_mesh(model)
+    if fsdp_requested(args, trainer) and mesh is None:
+        fsdp2 = getattr(getattr(trainer, "accelerator", None), "is_fsdp2", False)
+        why = ("FSDP2 left no trainable parameter sharded" if fsdp2 else
+               "the model's parameters are not FSDP2 DTensor shards: FSDP1 (flat parameters) or an FSDP request "
+               "accelerate did not apply (it runs FSDP on GPUs only; on a CPU it falls back to plain processes)")
+        raise ValueError(f"GNMRCallback does not support FSDP here: {why}. Use FSDP2 (fsdp_version: 2, "
+                         "recipes/accelerate/fsdp2.yaml; docs/fsdp2.md) or DDP")

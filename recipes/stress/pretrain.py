@@ -36,6 +36,13 @@ Usage:
 Writes ``<output_dir>/metrics.jsonl`` (per-step time, loss, saved-activation bytes, active units, eval
 loss) and ``<output_dir>/result.json`` (final validation perplexity, the policy summary, step time and
 memory), which ``recipes/stress/report.py`` turns into the paper's tables.
+
+FSDP2 (docs/fsdp2.md): on GPUs launch with ``accelerate launch --config_file recipes/accelerate/fsdp2.yaml
+recipes/stress/pretrain.py ...`` (or ``torchrun --nproc_per_node N ... --fsdp2``); ``--fsdp2`` sets the
+Trainer's ``fsdp`` arguments itself (version 2, one ``fully_shard`` per decoder layer, sharded
+checkpoints). accelerate applies FSDP on GPUs only, so on a CPU ``--fsdp2`` also applies
+:func:`accelerate_fsdp_on_cpu` (two gloo processes under ``torchrun --nproc_per_node 2``), which the
+tests use. Only the main process writes metrics, trace and result.
 """
 
 from __future__ import annotations
@@ -309,7 +316,7 @@ class _Callbacks:
             """Per-step wall time, loss, saved-activation bytes, active units and eval loss to JSONL."""
 
             def __init__(self):
-                self.f = open(out_path, "a")
+                self.f = open(out_path, "a") if out_path is not None else None  # None: not the main process
                 self.t0 = None
                 self.step_times: list[float] = []
                 self.peak_saved = 0
@@ -334,25 +341,70 @@ class _Callbacks:
                 if policy is not None and getattr(policy, "last_record", None):
                     r = policy.last_record
                     rec.update(over_gnmr=r["over_gnmr"], over_delta=r["over_delta"], hit_max=bool(r["hit_max"]))
-                self.f.write(json.dumps(rec) + "\n")
-                self.f.flush()
+                self._write(rec)
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 logs = logs or {}
                 if "loss" in logs:
                     self.last_loss = logs["loss"]
-                    self.f.write(json.dumps({"step": state.global_step, "train_loss": logs["loss"],
-                                             "lr": logs.get("learning_rate")}) + "\n")
+                    self._write({"step": state.global_step, "train_loss": logs["loss"], "lr": logs.get("learning_rate")})
                 if "eval_loss" in logs:
                     self.evals.append((state.global_step, logs["eval_loss"]))
-                    self.f.write(json.dumps({"step": state.global_step, "eval_loss": logs["eval_loss"]}) + "\n")
-                self.f.flush()
+                    self._write({"step": state.global_step, "eval_loss": logs["eval_loss"]})
+
+            def _write(self, rec: dict) -> None:
+                if self.f is not None:
+                    self.f.write(json.dumps(rec) + "\n")
+                    self.f.flush()
 
         return StressMetrics()
 
 
+# ---------------------------------------------------------------- FSDP2
+FSDP2_CONFIG = {
+    "version": 2,
+    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+    "state_dict_type": "SHARDED_STATE_DICT",
+    "reshard_after_forward": True,
+}
+
+
+def accelerate_fsdp_on_cpu() -> None:
+    """Let accelerate's FSDP plugin take effect in CPU processes (gloo), for tests and CPU dry runs.
+
+    accelerate 1.15 turns the FSDP plugin on only for GPU-type distributed runs: CPU processes keep
+    ``DistributedType.MULTI_CPU`` and the plugin is dropped without a word (plain data parallelism, the
+    whole model on every rank). After this patch an ``AcceleratorState`` given an FSDP plugin in CPU
+    processes becomes ``DistributedType.FSDP`` with that plugin, so the Trainer takes its FSDP2 path
+    unchanged: ``fsdp2_prepare_model`` (``fully_shard`` per decoder layer on a CPU mesh), accelerate's
+    FSDP clip branch and the sharded checkpoints. Idempotent; GPU runs never need it.
+    """
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+    if getattr(init, "gnmr_fsdp_on_cpu", False):
+        return
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            state.PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does
+
+    __init__.gnmr_fsdp_on_cpu = True
+    state.AcceleratorState.__init__ = __init__
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a ``torchrun`` / ``accelerate launch`` job (or a single process)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 # ---------------------------------------------------------------- main
-def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = False, low: str = "act") -> dict:
+def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = False, low: str = "act",
+        fsdp2: bool = False, extra_callbacks: list | tuple = ()) -> dict:
     """Pre-train one method; returns (and writes) the result record.
 
     Args:
@@ -361,6 +413,9 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         output_dir: where metrics, checkpoints and ``result.json`` go.
         resume (`bool`): continue from the latest checkpoint in ``output_dir``.
         low (`str`): ``"act"`` (saved-activation quantisation) or an MX format (``"mxfp4"``, ...).
+        fsdp2 (`bool`): shard with FSDP2 (:data:`FSDP2_CONFIG`; on a CPU through :func:`accelerate_fsdp_on_cpu`);
+            the projections are converted before the Trainer shards the model.
+        extra_callbacks: more ``TrainerCallback`` s for the Trainer (tests).
     """
     from transformers import Trainer, TrainingArguments, default_data_collator
 
@@ -396,11 +451,18 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         warmup = cfg["baselines"]["adapt_warmup_steps"]
         callbacks.append(_Callbacks.full_precision_warmup(model, warmup) if low == "act"
                          else _Callbacks.recovery_warmup(model, units, warmup))
+    main = is_main_process()
     metrics_path = out / "metrics.jsonl"
-    if not resume and metrics_path.exists():
+    if not resume and metrics_path.exists() and main:
         metrics_path.unlink()
-    metrics = _Callbacks.metrics(model, units, metrics_path, policy)
+    metrics = _Callbacks.metrics(model, units, metrics_path if main else None, policy)
     callbacks.append(metrics)
+    callbacks.extend(extra_callbacks)
+    fsdp_args = {}
+    if fsdp2:
+        if not torch.cuda.is_available():
+            accelerate_fsdp_on_cpu()
+        fsdp_args = {"fsdp": True, "fsdp_config": dict(FSDP2_CONFIG)}
 
     args = TrainingArguments(
         output_dir=str(out),
@@ -428,6 +490,7 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         dataloader_num_workers=0,
         disable_tqdm=True,
         restore_callback_states_from_checkpoint=True,
+        **fsdp_args,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=val_ds,
                       data_collator=default_data_collator, callbacks=callbacks)
@@ -451,7 +514,10 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         "peak_rss_MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_cuda_MB": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "wall_s": wall,
-        "tokens": max_steps * tr["batch_size"] * tr["gradient_accumulation_steps"] * cfg["data"]["seq_len"],
+        "tokens": max_steps * tr["batch_size"] * tr["gradient_accumulation_steps"] * args.world_size
+        * cfg["data"]["seq_len"],
+        "world_size": args.world_size,
+        "fsdp2": bool(trainer.is_fsdp_enabled),
         "num_units": len(units),
         "max_active": cfg["gnmr"]["max_active"],
         "policy_summary": policy.summary(),
@@ -459,7 +525,8 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
         "data": data_info,
         "config": cfg,
     }
-    (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    if main:
+        (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
@@ -471,10 +538,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument("--low", default="act",
                    help="the low path: 'act' (saved-activation quantisation) or an MX format (mxfp4, mxfp6, mxfp8, ...)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard with FSDP2 (under torchrun / accelerate launch; on a CPU through gloo, see docs/fsdp2.md)")
     p.add_argument("overrides", nargs="*", help="section.key=value (YAML values)")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
-    res = run(cfg, a.method, a.output_dir, resume=a.resume, low=a.low)
+    res = run(cfg, a.method, a.output_dir, resume=a.resume, low=a.low, fsdp2=a.fsdp2)
+    if not is_main_process():
+        return None
     print(json.dumps({k: res[k] for k in ("method", "low", "final_eval_loss", "final_ppl", "step_time_s", "peak_saved_act_MB", "wall_s")}))
     print(json.dumps(res["policy_summary"]))
 
