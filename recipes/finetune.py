@@ -114,10 +114,11 @@ class ScriptArguments:
     response_template: str = field(default=" {answer}", metadata={"help": "str.format template (the loss)"})
     chat_template: bool = field(default=False, metadata={"help": "prompt as a chat user turn"})
     max_seq_len: int = field(default=512, metadata={"help": "tokens per example"})
-    compute_dtype: Literal["bfloat16", "float32", "float16"] = field(
+    compute_dtype: Literal["bfloat16", "float32", "float16", "auto"] = field(
         default="bfloat16", metadata={"help": "dtype the model is loaded and computed in: the unquantised weights, "
                                               "the 4-bit compute dtype and the recovery path (float32 is several "
-                                              "times faster on CPUs without BF16 matrix units)"})
+                                              "times faster on CPUs without BF16 matrix units; auto: bfloat16 where "
+                                              "the hardware has BF16 units, else float32, see gnmr_hf.hardware)"})
 
     def __post_init__(self) -> None:
         for name in ("num_generated", "max_seq_len"):
@@ -125,6 +126,11 @@ class ScriptArguments:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_train_examples is not None and self.max_train_examples < 1:
             raise ValueError(f"max_train_examples must be >= 1 or null, got {self.max_train_examples}")
+        if self.compute_dtype == "auto":  # resolved here, so the run and run.json see the dtype it chose
+            from gnmr_hf.hardware import auto_compute_dtype
+
+            self.compute_dtype, reason = auto_compute_dtype()
+            print(f"compute_dtype auto -> {self.compute_dtype}: {reason}", flush=True)
 
 
 @dataclass
