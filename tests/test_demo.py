@@ -96,3 +96,138 @@ def test_find_recipes_in_a_clone_and_explicit(tmp_path):
     (fake / "smollm2-135m").mkdir(parents=True)
     (fake / "finetune.py").write_text("")
     assert demo.find_recipes(str(fake)) == fake
+
+
+# ------------------------------------------------------------------ compute dtype, settings, timing
+def test_run_complete_checks_the_compute_dtype(tmp_path):
+    run = tmp_path / "bf16"
+    _finished_run(run, trace=False)
+    record = json.loads((run / "run.json").read_text())
+    record["config"]["script"] = {"compute_dtype": "float32"}
+    (run / "run.json").write_text(json.dumps(record))
+    assert demo.run_complete(run, "bf16", 60, "float32") and demo.run_complete(run, "bf16")
+    assert not demo.run_complete(run, "bf16", 60, "bfloat16")  # trained in another dtype: train again
+
+
+def test_training_dtype_auto_set_and_explicit(monkeypatch):
+    from gnmr_hf import hardware
+
+    monkeypatch.setattr(hardware, "auto_compute_dtype", lambda: ("float32", "CPU has neither flag"))
+    parse = demo.build_parser().parse_args
+    assert demo._training_dtype(parse([])) == ("float32", "auto: CPU has neither flag")
+    assert demo._training_dtype(parse(["--compute-dtype", "bfloat16"])) == ("bfloat16", "set with --compute-dtype")
+    assert demo._training_dtype(parse(["--set", "compute_dtype=float16"]))[0] == "float16"
+
+
+def test_the_demo_passes_its_dtype_and_records_it(tmp_path, monkeypatch, capsys):
+    """Training gets --compute_dtype (auto resolved), the summary names the dtype and the reason."""
+    from gnmr_hf import hardware
+
+    monkeypatch.setattr(hardware, "auto_compute_dtype", lambda: ("bfloat16", "CPU has AMX-BF16"))
+    seen = []
+
+    def fake_training(cmd):
+        seen.append(cmd)
+        run = Path(cmd[cmd.index("--output_dir") + 1])
+        run.mkdir(parents=True, exist_ok=True)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (run / name).write_text("{}")
+        record = {"status": "complete", "global_step": 2, "first_loss": 2.0, "final_loss": 1.0, "wall_time_s": 3.0,
+                  "peak_memory_bytes": 2**30, "device": "cpu",
+                  "config": {"training": {"max_steps": 2}, "script": {"compute_dtype": cmd[cmd.index("--compute_dtype") + 1]}}}
+        (run / "run.json").write_text(json.dumps(record))
+        (run / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]}))
+        return 0
+
+    monkeypatch.setattr(demo.subprocess, "call", fake_training)
+    monkeypatch.setattr("gnmr_hf.offline.smollm2.smollm2_checkpoint", lambda: tmp_path / "ckpt")
+    monkeypatch.setattr("gnmr_hf.offline.eval_data.write_eval_data", lambda d: None)
+    args = ["--out", str(tmp_path / "o"), "--precisions", "bf16", "--max-steps", "2", "--tasks", "none"]
+    assert demo.main(args) == 0
+    assert seen[0][seen[0].index("--compute_dtype") + 1] == "bfloat16"
+    out = capsys.readouterr().out
+    assert "[demo] training computes in bfloat16 (auto: CPU has AMX-BF16)" in out
+    assert "time per phase" in out and "train bf16" in out
+    rows = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert rows[0]["compute_dtype"] == "bfloat16" and rows[0]["compute_dtype_reason"] == "auto: CPU has AMX-BF16"
+    md = (tmp_path / "o" / "summary.md").read_text()
+    assert "Training compute dtype: bfloat16 (auto: CPU has AMX-BF16)." in md
+    timings = json.loads((tmp_path / "o" / "timings.json").read_text())
+    assert [p["phase"] for p in timings["phases"]] == ["setup (checkpoint, eval data)", "train bf16",
+                                                       "summary and plots"]
+    # a rerun keeps the complete run (same steps, same dtype) ...
+    seen.clear()
+    assert demo.main(args) == 0 and seen == []
+    # ... and trains again for another dtype
+    assert demo.main(args + ["--compute-dtype", "float32"]) == 0 and len(seen) == 1
+
+
+def test_help_lists_examples_and_usage_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    assert "examples:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--low", "fp4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "(see gnmr-hf demo --help)" in err
+
+
+# ------------------------------------------------------------------------- resume in the middle of eval
+def _fake_finished_bf16_run(run: Path, base: Path, dtype: str) -> None:
+    """A complete-looking bf16 run whose adapter is a real (untrained) PEFT LoRA on ``base``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(run)
+    (run / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 1.5}]}))
+    (run / "run.json").write_text(json.dumps({
+        "status": "complete", "global_step": 1, "first_loss": 1.5, "final_loss": 1.5, "wall_time_s": 1.0,
+        "peak_memory_bytes": 2**30, "device": "cpu",
+        "config": {"training": {"max_steps": 1}, "script": {"compute_dtype": dtype}}}))
+
+
+@pytest.mark.slow
+def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, monkeypatch, smollm2_dir, capsys):
+    import lm_eval
+
+    out = tmp_path / "demo"
+    _fake_finished_bf16_run(out / "bf16", smollm2_dir, "float32")
+    monkeypatch.setattr(demo.subprocess, "call", lambda cmd: pytest.fail(f"trained again: {cmd}"))
+    real = lm_eval.simple_evaluate
+    calls: list[str] = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(kwargs["tasks"][0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the base model's second task
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", interrupted)
+    args = ["--out", str(out), "--precisions", "bf16", "--max-steps", "1", "--compute-dtype", "float32",
+            "--tasks", "wikitext,hellaswag", "--eval-limit", "1", "--threads", "1"]
+    assert demo.main(args) == 130
+    assert "rerun the same command to continue" in capsys.readouterr().err
+    assert (out / "eval" / "base" / "wikitext.json").is_file()
+    assert not (out / "eval" / "base" / "hellaswag.json").exists() and not (out / "eval" / "bf16").exists()
+
+    calls.clear()
+    assert demo.main(args) == 0
+    # the base model's wikitext was kept; its hellaswag and the adapter's two tasks were scored
+    assert calls == ["hellaswag", "wikitext", "hellaswag"]
+    printed = capsys.readouterr().out
+    assert "eval base (1/2): wikitext, hellaswag; kept from before: wikitext" in printed
+    rows = {r["run"]: r for r in json.loads((out / "summary.json").read_text())}
+    assert rows["base (no fine-tune)"]["hellaswag_acc"] is not None and rows["bf16"]["wikitext_word_ppl"] > 1
+    assert rows["bf16"]["eval_compute_dtype"] == "float32"
+
+    # a third run scores nothing; retraining an adapter (a newer run.json) drops its old scores
+    calls.clear()
+    assert demo.main(args) == 0 and calls == []
+    import os
+    import time
+
+    later = time.time() + 5
+    os.utime(out / "bf16" / "run.json", (later, later))
+    assert demo.main(args) == 0 and calls == ["wikitext", "hellaswag"]

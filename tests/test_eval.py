@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_RESPONSE = " #### 42\n"  # what the bigram model generates after "Answer:" (until "Question:")
+TASKS_ALL = "gsm8k,mmlu,hellaswag,wikitext"
 
 
 # ----------------------------------------------------------------------------------- fixture data
@@ -486,3 +487,101 @@ def test_unknown_mmlu_subject(capsys, data_dir, tmp_path):
         f.write(json.dumps({"question": "q", "subject": "cooking", "choices": ["a", "b", "c", "d"], "answer": 0}) + "\n")
     rc, err = _run_cli(capsys, ["--model", "unused", "--data-dir", str(broken), "--tasks", "mmlu"])
     assert rc == 2 and "unknown MMLU subject 'cooking'" in err
+
+
+# ------------------------------------------------------------- batching, bounds, per-task resume
+def _scores(results: dict) -> dict[str, float]:
+    return {f"{task}/{key}": value for task, metrics in results["results"].items()
+            for key, value in metrics.items() if "," in key and "stderr" not in key}
+
+
+def test_batched_and_bounded_scores_equal_unbatched_tiny(bigram_dir, data_dir):
+    """Batches of 4 and a 16-token GSM8K cap (the generation stops at 'Question:' anyway) score as one
+    document at a time with the harness's 256-token default does, on every task (FP32 compute)."""
+    from gnmr_hf.evaluation.evaluate import evaluate
+
+    common = dict(data_dir=data_dir, device="cpu", log_samples=True, compute_dtype="float32")
+    one = evaluate(str(bigram_dir), TASKS_ALL, batch_size=1, **common)
+    batched = evaluate(str(bigram_dir), TASKS_ALL, batch_size=4, max_gen_toks=16, **common)
+    a, b = _scores(one), _scores(batched)
+    assert a.keys() == b.keys() and len(a) >= 8
+    for key in a:
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    responses = [[s["resps"] for s in r["samples"]["gsm8k"]] for r in (one, batched)]
+    assert responses[0] == responses[1] and responses[0][0] == [[GSM8K_RESPONSE]]
+    assert batched["summary"]["batch_size"] == 4 and batched["summary"]["compute_dtype"] == "float32"
+
+
+def test_batched_gsm8k_generation_equals_unbatched_smollm2(smollm2_dir, data_dir):
+    """The real model's greedy GSM8K answers, 3 problems in one batch against one at a time, in FP32 (in
+    BF16 a batch moves some answers: padding and batch shape change the rounding)."""
+    from gnmr_hf.evaluation.evaluate import evaluate
+
+    common = dict(data_dir=data_dir, device="cpu", log_samples=True, compute_dtype="float32", num_fewshot=0,
+                  max_gen_toks=48)
+    runs = [evaluate(str(smollm2_dir), "gsm8k", batch_size=bs, **common) for bs in (1, 3)]
+    responses = [[s["resps"] for s in r["samples"]["gsm8k"]] for r in runs]
+    assert len(responses[0]) == 2 * 3 and responses[0] == responses[1]  # two filters x three problems
+    assert _scores(runs[0]) == _scores(runs[1])
+
+
+def test_resume_dir_keeps_finished_tasks(bigram_dir, data_dir, tmp_path, monkeypatch):
+    """An evaluation interrupted in its second task resumes there: the first task's file is read back."""
+    import lm_eval
+
+    from gnmr_hf.evaluation.evaluate import evaluate
+
+    real = lm_eval.simple_evaluate
+    calls: list[list[str]] = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(list(kwargs["tasks"]))
+        if kwargs["tasks"] == ["hellaswag"] and len(calls) == 2:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C in the middle of HellaSwag
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", interrupted)
+    parts = tmp_path / "parts"
+    kwargs = dict(data_dir=data_dir, device="cpu", limit=2, resume_dir=parts, compute_dtype="float32")
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(str(bigram_dir), "wikitext,hellaswag", **kwargs)
+    assert (parts / "wikitext.json").is_file() and not (parts / "hellaswag.json").exists()
+    assert not list(parts.glob(".*.tmp"))  # nothing half-written
+    first = json.loads((parts / "wikitext.json").read_text())
+
+    resumed = evaluate(str(bigram_dir), "wikitext,hellaswag", output=tmp_path / "all.json", **kwargs)
+    assert calls == [["wikitext"], ["hellaswag"], ["hellaswag"]]  # wikitext was not scored again
+    assert resumed["results"]["wikitext"] == first["results"]["wikitext"]
+    assert set(resumed["results"]) == {"wikitext", "hellaswag"}
+    assert set(resumed["configs"]) == {"wikitext", "hellaswag"} and resumed["n-samples"]["hellaswag"]["effective"] == 2
+    assert json.loads((tmp_path / "all.json").read_text())["summary"]["hellaswag_acc"] is not None
+
+    # all there: nothing is scored (not even the model loaded); other settings: scored again
+    evaluate(str(bigram_dir), "wikitext,hellaswag", **kwargs)
+    assert len(calls) == 3
+    evaluate(str(bigram_dir), "wikitext", **{**kwargs, "limit": 1})
+    assert calls[-1] == ["wikitext"] and len(calls) == 4
+
+
+def test_compute_dtype_reaches_the_model(bigram_dir, adapters):
+    from gnmr_hf.evaluation.evaluate import EvalError, load_model
+
+    model, _ = load_model(str(bigram_dir), "bf16", adapters[0], "cpu", compute_dtype="float32")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model, _ = load_model(str(bigram_dir), "nf4", None, "cpu", compute_dtype="float32")
+    assert model.model.layers[0].self_attn.k_proj.compute_dtype == torch.float32
+    with pytest.raises(EvalError, match="--compute-dtype must be one of"):
+        load_model(str(bigram_dir), "bf16", compute_dtype="fp8")
+
+
+def test_cli_usage_errors_are_one_line(capsys):
+    from gnmr_hf.evaluation.evaluate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "x", "--precision", "fp4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "invalid choice: 'fp4'" in err and "(see gnmr-hf eval --help)" in err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "examples:" in capsys.readouterr().out

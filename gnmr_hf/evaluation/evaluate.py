@@ -17,6 +17,11 @@ MMLU is, in the harness, a group of 57 subject tasks (one hub config each, with 
 description). Locally the group is rebuilt from the subjects present in ``DIR/mmlu/test.jsonl``:
 one harness subject task per subject, reading that subject's rows, aggregated like the harness's
 own group (accuracy weighted by subject size).
+
+The tasks run one at a time (one ``simple_evaluate`` each, on the one loaded model), so each shows its
+own progress bar with an ETA; with ``resume_dir`` (``--resume-dir``) each task's results are written
+there as soon as it finishes and a rerun with the same settings reads them instead of scoring the task
+again, so an interrupted evaluation resumes at the task it was in.
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf._import_utils import require
-from gnmr_hf.reporting.report import GSM8K_FILTERS, format_row, format_table, summary_from_results
+from gnmr_hf.reporting.report import (
+    GSM8K_FILTERS,
+    OneLineErrorParser,
+    format_row,
+    format_table,
+    summary_from_results,
+)
 
 TASKS = ("gsm8k", "mmlu", "hellaswag", "wikitext")
 # files each task needs under DATA_DIR/<task>/, and the hub schema's fields every row must have
@@ -53,6 +64,12 @@ FIELDS: dict[str, tuple[str, ...]] = {
 FEWSHOT: dict[str, tuple[str, int]] = {"gsm8k": ("train", 5), "mmlu": ("dev", 0), "hellaswag": ("train", 0),
                                        "wikitext": ("train", 0)}
 PRECISIONS = ("bf16", "int8", "nf4")
+# the dtype the model computes in (the weights are upcast to it); auto: gnmr_hf.hardware.auto_compute_dtype
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16", "auto")
+# the per-task entries of a harness results dict: merged across the one-task runs
+_PER_TASK_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better",
+                  "n-samples", "samples", "task_hashes")
+_SETTINGS_KEY = "gnmr_hf_task_settings"
 _TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
@@ -297,7 +314,7 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
 
 
 def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
-               device: str = "cpu") -> tuple[Any, Any]:
+               device: str = "cpu", compute_dtype: str = "bfloat16") -> tuple[Any, Any]:
     """Load the base (BF16, bitsandbytes INT8 or NF4) and apply an optional LoRA adapter with plain PEFT.
 
     Args:
@@ -307,6 +324,9 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
             the base a QLoRA adapter was trained on).
         adapter: a PEFT adapter folder (``adapter_config.json`` + weights), or None.
         device: ``"cpu"`` or ``"cuda"``.
+        compute_dtype: the dtype the model computes in: ``"bfloat16"`` (default), ``"float32"`` (the
+            BF16 weights upcast exactly; the INT8/NF4 layers' inputs and the 4-bit compute dtype too),
+            ``"float16"``, or ``"auto"`` (:func:`gnmr_hf.hardware.auto_compute_dtype`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -314,11 +334,14 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
     require("transformers", "Evaluating a model")
     if precision not in PRECISIONS:
         raise EvalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    dtype_name = _compute_dtype(compute_dtype)
     if adapter is not None:
         require("peft", "Loading a LoRA adapter")
         _read_adapter_config(adapter)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, dtype_name)
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EvalError("--device cuda was asked for, but torch sees no CUDA device")
@@ -326,14 +349,14 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load a tokenizer from --model {model}: {e}") from None
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
+    kwargs: dict[str, Any] = {"dtype": dtype}
     if precision in ("int8", "nf4"):
         require("bitsandbytes", f"Loading the base model in {precision.upper()}")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = (
             BitsAndBytesConfig(load_in_8bit=True) if precision == "int8" else
-            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16))
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype))
         kwargs["device_map"] = {"": device if device != "cuda" else torch.cuda.current_device()}
     try:
         base = AutoModelForCausalLM.from_pretrained(model, **kwargs)
@@ -348,6 +371,19 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         base = PeftModel.from_pretrained(base, str(adapter), is_trainable=False)
     base.eval()
     return base, tokenizer
+
+
+def _compute_dtype(name: str) -> str:
+    """``name`` checked, ``"auto"`` resolved (its reason printed to stderr)."""
+    if name not in COMPUTE_DTYPES:
+        raise EvalError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name
+    from gnmr_hf.hardware import auto_compute_dtype
+
+    resolved, reason = auto_compute_dtype()
+    print(f"gnmr-hf eval: compute dtype auto -> {resolved}: {reason}", file=sys.stderr, flush=True)
+    return resolved
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -373,6 +409,9 @@ def evaluate(
     max_gen_toks: int | None = None,
     log_samples: bool = False,
     output: str | os.PathLike | None = None,
+    compute_dtype: str = "bfloat16",
+    resume_dir: str | os.PathLike | None = None,
+    bootstrap_iters: int = 100000,
 ) -> dict[str, Any]:
     """Score ``model`` (+ ``adapter``) on the bundled tasks with lm-evaluation-harness.
 
@@ -383,18 +422,28 @@ def evaluate(
         precision: ``"bf16"``, ``"int8"`` or ``"nf4"`` (bitsandbytes) for the base weights.
         data_dir: local data in the hub schemas (``DIR/<task>/<split>.jsonl``); None = hub datasets.
         limit: at most this many documents per task (per MMLU subject), as the harness's ``--limit``.
-        batch_size: the harness's batch size (int or ``"auto"``).
+        batch_size: the harness's batch size (int or ``"auto"``). In BF16 a batch of several documents
+            moves the scores (padding and batch shape change the rounding: SmolLM2's log-likelihoods by
+            0.1-0.5 nats, some greedy GSM8K answers); in FP32 (``compute_dtype="float32"``) it does not.
         num_fewshot: override the harness's few-shot counts (GSM8K 5, the others 0); None keeps them.
         device: ``"cpu"`` or ``"cuda"``; None picks CUDA when available.
         method: the summary row's name; default from precision, model and adapter folder names.
         gsm8k_filter: harness filter for the summary's GSM8K EM (``"strict-match"``: the
             ``#### N`` line; ``"flexible-extract"``: the last number). Both are in the results.
-        max_gen_toks: cap on generated tokens for GSM8K (the harness's default is 256).
+        max_gen_toks: cap on generated tokens for GSM8K (the harness's default is 256); generation
+            also stops at the task's ``until`` sequences (``Question:``, ``</s>``, ``<|im_end|>``) and EOS.
         log_samples: keep the harness's per-document samples under ``"samples"``.
         output: write the results JSON here (the harness's serialisation).
+        compute_dtype: the dtype the model computes in (see :func:`load_model`); ``"auto"`` resolves
+            through :func:`gnmr_hf.hardware.auto_compute_dtype`.
+        resume_dir: a folder for one results file per task (``<task>.json``): a task whose file holds
+            the same settings is read instead of scored again, and each task's file is written as soon
+            as the task finishes, so an interrupted evaluation resumes at the task it was in.
+        bootstrap_iters: the harness's bootstrap resamples for the stderr of non-mean metrics (the
+            perplexities); 0 skips those stderrs (the metrics are the same).
 
     Returns:
-        the harness's results dict, plus ``"summary"``: the Table 7 numbers (see
+        the harness's results dict (the tasks' runs merged), plus ``"summary"``: the Table 7 numbers (see
         :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row) and the run's settings.
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
@@ -403,53 +452,134 @@ def evaluate(
         raise EvalError(f"gsm8k_filter must be one of {', '.join(GSM8K_FILTERS)}, got {gsm8k_filter!r}")
     if adapter is not None:
         _read_adapter_config(adapter)
+    dtype_name = _compute_dtype(compute_dtype)
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    gen_kwargs = {"max_gen_toks": max_gen_toks} if max_gen_toks is not None else None
+    settings = {
+        "model": str(model), "adapter": None if adapter is None else str(Path(adapter).resolve()),
+        "precision": precision, "compute_dtype": dtype_name,
+        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()), "limit": limit,
+        "num_fewshot": num_fewshot, "max_gen_toks": max_gen_toks, "batch_size": batch_size,
+        "log_samples": log_samples, "device": device,
+    }
+    parts: dict[str, dict[str, Any]] = {}
+    if resume_dir is not None:
+        for task in task_names:
+            done = read_task_result(Path(resume_dir) / f"{task}.json", settings)
+            if done is not None:
+                parts[task] = done
+    todo = [t for t in task_names if t not in parts]
     with tempfile.TemporaryDirectory(prefix="gnmr_hf_eval_") as work:
         # data first: a bad data folder should fail before the slow model load
-        include = write_local_tasks(data_dir, task_names, work, num_fewshot) if data_dir is not None else None
-        lm_model, tokenizer = load_model(model, precision, adapter, device)
+        include = write_local_tasks(data_dir, todo, work, num_fewshot) if data_dir is not None and todo else None
+        lm = manager = None
+        for i, task in enumerate(task_names, 1):
+            if task in parts:
+                print(f"gnmr-hf eval: {task} ({i}/{len(task_names)}): read from {Path(resume_dir) / f'{task}.json'}",
+                      file=sys.stderr, flush=True)
+                continue
+            if lm is None:
+                lm, manager = _harness_model(model, precision, adapter, device, dtype_name, batch_size, include)
+            print(f"gnmr-hf eval: {task} ({i}/{len(task_names)})", file=sys.stderr, flush=True)
+            from lm_eval import simple_evaluate
 
-        from lm_eval import simple_evaluate
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-
-        if include is not None:
-            # our folder only: the local tasks keep the harness's names and indexing stays fast
-            manager = TaskManager(include_path=str(include), include_defaults=False)
-        else:
-            manager = TaskManager()
-        # softmax_dtype: with a BF16 model the harness would take log-softmax and sum log-likelihoods in
-        # BF16 (8 mantissa bits: a 2-page WikiText sum of -4608 moves in steps of 32), which hides
-        # perplexity differences of the size Table 7 reports; FP32 keeps them.
-        lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
-        results = simple_evaluate(
-            model=lm,
-            tasks=task_names,
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
-            limit=limit,
-            log_samples=log_samples,
-            gen_kwargs=gen_kwargs,
-            task_manager=manager,
-        )
+            # one task per run: its own progress bar (with total and ETA) and its own results file
+            part = simple_evaluate(
+                model=lm,
+                tasks=[task],
+                num_fewshot=num_fewshot,
+                batch_size=batch_size,
+                limit=limit,
+                log_samples=log_samples,
+                gen_kwargs={"max_gen_toks": max_gen_toks} if max_gen_toks is not None and task == "gsm8k" else None,
+                task_manager=manager,
+                bootstrap_iters=bootstrap_iters,
+            )
+            parts[task] = part
+            if resume_dir is not None:
+                write_task_result(Path(resume_dir) / f"{task}.json", part, settings)
+    results = merge_task_results([parts[t] for t in task_names])
     method = method or default_method_name(model, precision, adapter)
     summary = summary_from_results(results, method, gsm8k_filter)
     summary.update(
         row=format_row(summary), model=str(model), adapter=None if adapter is None else str(adapter),
-        precision=precision, data_dir=None if data_dir is None else str(Path(data_dir).resolve()),
+        precision=precision, compute_dtype=dtype_name, batch_size=batch_size, max_gen_toks=max_gen_toks,
+        data_dir=None if data_dir is None else str(Path(data_dir).resolve()),
         limit=limit, num_fewshot=num_fewshot, tasks=task_names,
     )
     results["summary"] = summary
     if output is not None:
-        from lm_eval.utils import handle_non_serializable
-
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        _write_json(Path(output), results)
     return results
+
+
+def _harness_model(model: str, precision: str, adapter: str | os.PathLike | None, device: str, dtype_name: str,
+                   batch_size: int | str, include: Path | None) -> tuple[Any, Any]:
+    """The loaded model wrapped in the harness's ``HFLM``, and the ``TaskManager`` for the tasks."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm_model, tokenizer = load_model(model, precision, adapter, device, dtype_name)
+    if include is not None:
+        # our folder only: the local tasks keep the harness's names and indexing stays fast
+        manager = TaskManager(include_path=str(include), include_defaults=False)
+    else:
+        manager = TaskManager()
+    # softmax_dtype: with a BF16 model the harness would take log-softmax and sum log-likelihoods in
+    # BF16 (8 mantissa bits: a 2-page WikiText sum of -4608 moves in steps of 32), which hides
+    # perplexity differences of the size Table 7 reports; FP32 keeps them.
+    lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
+    return lm, manager
+
+
+def _write_json(path: Path, results: dict[str, Any]) -> None:
+    """The results JSON (the harness's serialisation), written whole or not at all."""
+    from lm_eval.utils import handle_non_serializable
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def write_task_result(path: Path, results: dict[str, Any], settings: dict[str, Any]) -> None:
+    """One task's results with the settings they were scored under (see :func:`read_task_result`)."""
+    _write_json(path, {**results, _SETTINGS_KEY: settings})
+
+
+def read_task_result(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The results in ``path`` if it was written by :func:`write_task_result` under ``settings``; else None
+    (no file, a truncated one, or other settings: the task is scored again)."""
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(results, dict) or results.pop(_SETTINGS_KEY, None) != json.loads(json.dumps(settings)):
+        return None
+    return results
+
+
+def merge_task_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One harness results dict from several one-task runs: the per-task entries (results, configs,
+    n-shot, samples, ...) joined, the run metadata (config, versions of the environment, date) of the
+    first, the evaluation times added."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    merged = dict(parts[0])
+    for key in _PER_TASK_KEYS:
+        joined: dict[str, Any] = {}
+        for part in parts:
+            joined.update(part.get(key) or {})
+        if joined or key in merged:
+            merged[key] = joined
+    times = [p.get("total_evaluation_time_seconds") for p in parts]
+    try:
+        merged["total_evaluation_time_seconds"] = str(sum(float(t) for t in times))
+    except (TypeError, ValueError):
+        pass
+    return merged
 
 
 def _positive_int(text: str) -> int:
@@ -466,15 +596,29 @@ def _limit(text: str) -> int | float:
     return int(value) if value >= 1 and value.is_integer() else value
 
 
+EPILOG = """examples:
+  gnmr-hf eval --model ~/.cache/gnmr_hf/smollm2-135m-instruct --data-dir eval_data --limit 20
+  gnmr-hf eval --model PATH --adapter runs/gnmr --precision int8 --tasks gsm8k,wikitext --output gnmr.json
+  gnmr-hf eval --model PATH --compute-dtype float32 --batch-size 8 --resume-dir runs/eval_parts
+  python -m gnmr_hf.offline.eval_data eval_data     # writes the offline evaluation set used above
+
+Errors (a bad task, data folder, adapter or option) are one line on stderr and exit code 2.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineErrorParser(
         prog="gnmr-hf eval",
         description="Score a base model (+ LoRA adapter) on GSM8K, MMLU, HellaSwag and WikiText-2 with "
                     "lm-evaluation-harness, and print the paper's Table 7 row.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="base checkpoint folder or hub id")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder to apply on the base")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="base weights: bf16, bitsandbytes int8 or nf4")
+    p.add_argument("--compute-dtype", default="bfloat16", choices=COMPUTE_DTYPES,
+                   help="dtype the model computes in (default bfloat16; float32 makes --batch-size > 1 give the "
+                        "batch-1 scores; auto: BF16 where the hardware has BF16 units, else FP32)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--data-dir", help="local data in the hub schemas, DIR/<task>/<split>.jsonl (default: hub datasets)")
     p.add_argument("--limit", type=_limit, help="documents per task (per MMLU subject); <1 = a fraction")
@@ -485,6 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="filter for the summary's GSM8K EM (both are in the results)")
     p.add_argument("--name", help="method name for the summary row")
     p.add_argument("--output", help="write the results JSON here")
+    p.add_argument("--resume-dir", help="keep each task's results here as it finishes; a rerun with the same "
+                                        "settings reads them instead of scoring the task again")
     p.add_argument("--log-samples", action="store_true", help="keep per-document samples in the results JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     return p
@@ -497,18 +643,24 @@ def main(argv: list[str] | None = None) -> int:
     if str(batch_size).isdigit():
         batch_size = int(batch_size)
     elif not str(batch_size).startswith("auto"):
-        print(f"gnmr-hf eval: error: --batch-size must be an integer or 'auto', got {batch_size!r}", file=sys.stderr)
+        print(f"gnmr-hf eval: error: --batch-size must be an integer or 'auto', got {batch_size!r} "
+              "(see gnmr-hf eval --help)", file=sys.stderr)
         return 2
     try:
         results = evaluate(
             args.model, args.tasks, adapter=args.adapter, precision=args.precision, data_dir=args.data_dir,
             limit=args.limit, batch_size=batch_size, num_fewshot=args.num_fewshot, device=args.device,
             method=args.name, gsm8k_filter=args.gsm8k_filter, max_gen_toks=args.max_gen_toks,
-            log_samples=args.log_samples, output=args.output,
+            log_samples=args.log_samples, output=args.output, compute_dtype=args.compute_dtype,
+            resume_dir=args.resume_dir,
         )
-    except EvalError as e:
+    except (EvalError, ImportError) as e:  # ImportError: require()'s "install it with" message
         print(f"gnmr-hf eval: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ngnmr-hf eval: interrupted" + (f"; rerun the same command to continue (finished tasks are in "
+                                               f"{args.resume_dir})" if args.resume_dir else ""), file=sys.stderr)
+        return 130
     from lm_eval.utils import make_table
 
     print(make_table(results))

@@ -36,6 +36,14 @@ class ReportError(Exception):
     """A user mistake (unreadable or foreign result file); the CLI prints it and exits with 2."""
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """``argparse`` whose usage errors are one line (what is wrong, and where the help is), exit code 2;
+    the gnmr-hf commands (demo, eval, report) parse with it."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def summary_from_results(results: dict[str, Any], method: str, gsm8k_filter: str = "strict-match") -> dict[str, Any]:
     """The Table 7 numbers of one harness results dict (fractions and perplexity as the harness gives them).
 
@@ -146,11 +154,22 @@ def plot_table(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
     return out
 
 
+EPILOG = """examples:
+  gnmr-hf report bf16.json int8.json gnmr.json
+  gnmr-hf report bf16.json int8.json gnmr.json --names BF16 "Fixed INT8" "GNMR INT8/BF16" --plot table7.png
+  gnmr-hf report gnmr-demo/eval/*.json --gsm8k-filter flexible-extract
+
+The files are gnmr-hf eval --output files or any lm-eval results JSON. Errors are one line on stderr
+and exit code 2.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``gnmr-hf report a.json b.json [--names A B] [--gsm8k-filter F] [--plot out.png]``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="gnmr-hf report",
         description="Print the paper's Table 7 layout (Markdown) for several gnmr-hf eval / lm-eval result files.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("files", nargs="+", help="results JSON files, one table row each")
     parser.add_argument("--names", nargs="+", help="row names (default: the method stored in each file)")
