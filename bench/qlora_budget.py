@@ -105,25 +105,22 @@ def layer_units(layers: list[int], ops: int = OPS_PER_LAYER) -> list[int]:
     return sorted(u for b in layers for u in range(b * ops, (b + 1) * ops))
 
 
-def by_score_per_byte(scores: list[float], unit_bytes: list[int]) -> list[int]:
-    """Units with a positive score, best score per byte first (ties to the lower index)."""
-    return sorted((u for u, s in enumerate(scores) if s > 0), key=lambda u: (-scores[u] / unit_bytes[u], u))
-
-
 def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] | None, seed: int) -> list[int]:
     """The fixed set of a static method at ``pct`` % of the bytes."""
+    from gnmr_hf.profile import greedy_select  # the product's planner: greedy by score per byte
+
     total = sum(unit_bytes)
     budget = total * pct // 100
     U = len(unit_bytes)
     if kind in ("prof-op", "loftq+prof-op"):
-        return greedy_fill(by_score_per_byte(scores, unit_bytes), unit_bytes, budget)
+        return greedy_select(scores, unit_bytes, budget)
     if kind == "hybrid":  # the planned part: 3/4 of the budget
-        return greedy_fill(by_score_per_byte(scores, unit_bytes), unit_bytes, total * pct * 3 // 400)
+        return greedy_select(scores, unit_bytes, total * pct * 3 // 400)
     L = U // OPS_PER_LAYER
     layer_bytes = [sum(unit_bytes[b * OPS_PER_LAYER:(b + 1) * OPS_PER_LAYER]) for b in range(L)]
     if kind == "prof-layer":
         layer_scores = [sum(scores[b * OPS_PER_LAYER:(b + 1) * OPS_PER_LAYER]) for b in range(L)]
-        return layer_units(greedy_fill(by_score_per_byte(layer_scores, layer_bytes), layer_bytes, budget))
+        return layer_units(greedy_select(layer_scores, layer_bytes, budget))
     if kind == "edge":
         order = [b for pair in zip(range(L), reversed(range(L))) for b in pair]
         return layer_units(greedy_fill(list(dict.fromkeys(order)), layer_bytes, budget))

@@ -19,13 +19,13 @@ def test_greedy_fill_skips_what_does_not_fit():
     assert qb.greedy_fill([0, 1], [10, 1], 0) == []
 
 
-def test_score_per_byte_order_and_profiled_sets():
+def test_profiled_sets_are_the_products_plan():
     # 2 layers x 7 ops; bytes: attention ops 1, MLP ops 4 (total 2 * (4 + 12) = 32)
     ub = [1, 1, 1, 1, 4, 4, 4] * 2
     scores = [0.0] * 14
     scores[2], scores[9], scores[6], scores[13] = 0.5, 0.3, 1.0, -1.0  # v0: 0.5/B, v1... ; down0: 0.25/B
     scores[1] = 0.5  # k0 ties v0 per byte: lower index first
-    assert qb.by_score_per_byte(scores, ub) == [1, 2, 9, 6]  # 0.5, 0.5, 0.3, 0.25 per byte; -1 never
+    # per byte: k0 0.5, v0 0.5, o1 0.3, down0 0.25; down1 (-1) never
     # 10 % of 32 bytes = 3: k0, v0, o1 (1 byte each)
     assert qb.static_set("prof-op", 10, ub, scores, seed=0) == [1, 2, 9]
     # 25 %: 8 bytes: k0, v0, o1 (3), down0 (4 -> 7)
