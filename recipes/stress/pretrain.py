@@ -11,6 +11,8 @@ projections (7 operator units per layer) are quantised token-wise for the backwa
     adapt    BF16 warm-up, then a fixed top-25 % at 8-bit     ADAPT-style static profile
     gsnr     4-bit, max_active lowest-GSNR units at 8-bit     gradient signal-to-noise ranking
     random   4-bit, max_active random units at 8-bit          seeded random ranking
+    random_budget  4-bit, random units at 8-bit, on average   seeded random draw at a given budget
+             baselines.random_mean_active per step            (GNMR's measured mean active units)
 
 Every dynamic method runs through ``GNMRCallback(policy=...)``, the same callback and actuator
 (``set_active_units``) the INT8/BF16 LoRA path uses.
@@ -64,9 +66,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 METHODS = ("bf16", "fixed8", "fixed4", "fixed", "gnmr", "adapt", "gsnr", "random")
+# methods that need a setting from another run: random_budget draws baselines.random_mean_active units per step
+# on average (GNMR's measured mean, bench/gpu_paper.sh); not in METHODS, which the bench runs one after the other
+BUDGET_METHODS = ("random_budget",)
 # short names for the MX element formats of --low
 MX_ALIASES = {"mxfp4": "mxfp4_e2m1", "mxfp6": "mxfp6_e2m3", "mxfp8": "mxfp8_e4m3"}
-DYNAMIC = ("gnmr", "adapt", "gsnr", "random")
+DYNAMIC = ("gnmr", "adapt", "gsnr", "random", "random_budget")
 HERE = Path(__file__).resolve().parent
 EOS = "<|endoftext|>"
 
@@ -265,7 +270,8 @@ def build_policy(method: str, cfg: dict, num_units: int, max_steps: int, max_act
     gcfg = GNMRConfig(**g)
     b = cfg.get("baselines", {})
     return make_policy(method, num_units, gcfg, warmup_steps=b.get("adapt_warmup_steps"),
-                       fraction=b.get("adapt_fraction", 0.25), seed=b.get("random_seed", 0), units=units), gcfg
+                       fraction=b.get("adapt_fraction", 0.25), seed=b.get("random_seed", 0), units=units,
+                       mean_active=b.get("random_mean_active")), gcfg
 
 
 # ---------------------------------------------------------------- bookkeeping callbacks
@@ -419,8 +425,11 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     """
     from transformers import Trainer, TrainingArguments, default_data_collator
 
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in METHODS + BUDGET_METHODS:
+        raise ValueError(f"method must be one of {METHODS + BUDGET_METHODS}, got {method!r}")
+    if method == "random_budget" and cfg.get("baselines", {}).get("random_mean_active") is None:
+        raise ValueError("method 'random_budget' needs baselines.random_mean_active (e.g. a GNMR run's "
+                         "policy_summary mean_active)")
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tr = cfg["train"]
@@ -533,7 +542,7 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--method", required=True, choices=METHODS + BUDGET_METHODS)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument("--low", default="act",
