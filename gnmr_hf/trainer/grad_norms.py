@@ -164,6 +164,8 @@ def shards(tensors: Sequence[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
             more than one dimension, or a placement other than ``Shard`` (replicated or partial values would
             be counted once per rank).
     """
+    if not torch.distributed.is_available():
+        return None, list(tensors)
     from torch.distributed.tensor import DTensor, Shard
 
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
