@@ -29,7 +29,8 @@ After training, the adapter's held-out loss (mean per response token over ``--ev
 generated test problems, disjoint from the training problems) is measured on two bases:
 
 - ``served``: the base it trained on, as a user serves it: for a fixed set, NF4 plus that set in BF16
-  (what ``llm_int8_skip_modules`` gives with stock transformers); for dynamic methods the all-NF4 base;
+  (what ``llm_int8_skip_modules`` gives with stock transformers); for ``hybrid``, NF4 plus its planned
+  set (GNMR's transient part is gone at serving); for the dynamic methods the all-NF4 base;
 - ``merged``: the original BF16 base (the adapter merged into, or served on, the original weights).
 
 Gap closed on a route = ``(L_nf4 - L) / (L_nf4 - L_bf16)`` per seed, with the same seed's ``nf4`` run on
@@ -71,7 +72,7 @@ TIER1 = ("bf16", "nf4", "prof-op-10", "rand-op-10", "gnmr-op-10", "hybrid-10", "
 TIER2 = ("prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25", "hybrid-5", "hybrid-25")
 TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "loftq+prof-op-10")
 METHODS = TIER1 + TIER2 + TIER3
-DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op", "hybrid")
+DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op")  # no fixed set: served on the all-NF4 base
 OPS_PER_LAYER = 7
 
 
