@@ -132,6 +132,12 @@ def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] |
     raise ValueError(f"{kind} has no fixed set")
 
 
+def served_units(kind: str, planned: list[int]) -> list[int]:
+    """The units in BF16 on the *served* route: the fixed set (hybrid: its planned part); none for the
+    dynamic methods, whose sets change every step."""
+    return [] if kind in DYNAMIC else list(planned)
+
+
 class RandomBytesPolicy:
     """A random set of units filling a byte budget, drawn again every step (seeded; a trigger policy)."""
 
@@ -362,7 +368,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     test = [json.loads(line) for line in
             (write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
              / "test.jsonl").read_text().splitlines()][:args.eval_problems]
-    served_set = [] if kind in DYNAMIC else planned
+    served_set = served_units(kind, planned)
     set_active_units(model, served_set, units)
     loss_served = nf4_bench.heldout_loss(model, tokenizer, test, script)
     set_active_units(model, list(range(U)), units)

@@ -109,3 +109,10 @@ def test_a_missing_reference_seed_is_left_out(tmp_path):
     _result(tmp_path, "rand-op-10", 0, 1.9, 1.8, 10)
     _result(tmp_path, "rand-op-10", 1, 1.0, 1.0, 10)  # no seed-1 references: not scored
     assert qb.gap_closed(qb.collect(tmp_path), "rand-op-10", "served") == pytest.approx([0.1])
+
+
+def test_served_route_keeps_the_fixed_part_only():
+    assert qb.served_units("prof-op", [1, 2]) == [1, 2] and qb.served_units("hybrid", [3]) == [3]
+    assert qb.served_units("bf16", [0, 1]) == [0, 1] and qb.served_units("nf4", []) == []
+    for kind in ("gnmr-op", "gnmr-layer", "rand-step"):
+        assert qb.served_units(kind, [5]) == []
