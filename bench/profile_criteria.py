@@ -15,10 +15,11 @@ initialisation, so it changes no loss) for the ``lora_grad`` criterion.
    ``(L_low - L_plan) / (L_low - L_high)`` measured on the profile text and on two held-out texts (the first
    6,000 characters of ``controlflow.rst.txt`` and ``datastructures.rst.txt``), against random sets of the
    same bytes (``--draws`` seeded draws).
-4. The cost of profiling as a share of one training step of the ``nf4`` SmolLM2 recipe setting (LoRA r=8 on
-   all seven projections, its batch of 4 generated problems, AdamW): every criterion on one recipe batch
-   and ``first_order`` on the CLI's default of two batches, against the median of 3 timed training steps
-   (forward + backward + optimizer step; one warm-up step first).
+4. The recipe's own data (the ``nf4`` SmolLM2 recipe: its generated problems, batches of 4): every criterion
+   on one batch and ``first_order`` on two, their plans at 5/10/25 % measured on 4 held-out batches (and on
+   the profile batch), random sets alike; and the cost of each criterion as a share of one training step
+   of the recipe setting (LoRA r=8 on all seven projections, AdamW; median of 3 timed steps of forward +
+   backward + optimizer step after one warm-up; process CPU time, the machine being shared).
 
 Resumable: each stage's result is kept in ``OUT/results.json`` (and the profile in ``OUT/profile.json``)
 and skipped when present. One torch thread (a shared 2-core machine)::
@@ -219,50 +220,94 @@ def stage_plans(model, texts, prof, results, out, draws: int) -> None:
                   + ", ".join(f"{v:.3f}" for v in gaps.values()), flush=True)
 
 
-def stage_costs(model, tok, results, out) -> None:
-    """Every criterion on one recipe batch, first_order on two, against a training step of the recipe."""
+def stage_recipe(model, tok, results, out, draws: int) -> None:
+    """The recipe's own data: every criterion on one batch of the nf4 recipe (4 generated problems) and
+    first_order on two; plans measured on 4 held-out recipe batches; the cost against a training step."""
     import torch
 
-    from gnmr_hf.profile import profile_sensitivity
+    from gnmr_hf.profile import (
+        SensitivityProfile,
+        greedy_select,
+        measure_plan,
+        profile_sensitivity,
+        random_sets,
+    )
 
-    if "step_costs" in results:
-        return
-    batches, recipe = recipe_batches(tok, 2, out)
-    prof1 = profile_sensitivity(model, batches[:1], criteria="all", progress=True)
-    prof2 = profile_sensitivity(model, batches, criteria=("first_order",))
-    # the training step: LoRA on, dropout on, AdamW as the recipe (the LoRA weights are restored afterwards)
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=recipe.training.learning_rate, weight_decay=0.0)
-    model.train()
-    times, cpu = [], []
-    for i in range(4):
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = model(**{k: v for k, v in batches[i % 2].items() if k != "use_cache"}).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    model.eval()
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-    step, step_cpu = statistics.median(times), statistics.median(cpu)
-    results["step_costs"] = {
-        "batch": [list(b["input_ids"].shape) for b in batches],
-        "train_step_seconds": times, "train_step_median": step,
-        "train_step_cpu_seconds": cpu, "train_step_cpu_median": step_cpu,
-        "one_batch": {k: v for k, v in prof1.costs.items()},
-        "two_batches_first_order": prof2.costs["first_order"],
-        "share_of_step": {k: v["cpu_seconds"] / step_cpu for k, v in prof1.costs.items()},
-        "first_order_two_batches_share": prof2.costs["first_order"]["cpu_seconds"] / step_cpu,
-    }
-    save(out, results)
-    print(f"[bench] training step {step:.2f} s; criterion cost in training steps (one batch): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in results["step_costs"]["share_of_step"].items()), flush=True)
+    batches, recipe = recipe_batches(tok, 6, out)
+    profiled, heldout = batches[:2], batches[2:]
+    profs = {}
+    for key, subset, criteria in (("1 batch", profiled[:1], "all"), ("2 batches", profiled, ("first_order",))):
+        path = out / f"recipe_profile_{key.replace(' ', '_')}.json"
+        if path.is_file():
+            profs[key] = SensitivityProfile.from_json(path)
+        else:
+            profs[key] = profile_sensitivity(model, subset, criteria=criteria, progress=True)
+            profs[key].to_json(path, data="nf4 recipe batches", batches_used=key)
+        print(f"[bench] recipe profile ({key}):\n{profs[key].cost_table()}", flush=True)
+    if "step_costs" not in results:
+        # the training step: LoRA on, dropout on, AdamW as the recipe (the LoRA weights are restored afterwards)
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.detach().clone() for p in params]
+        opt = torch.optim.AdamW(params, lr=recipe.training.learning_rate, weight_decay=0.0)
+        model.train()
+        times, cpu = [], []
+        for i in range(4):
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = model(**profiled[i % 2]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+        model.eval()
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        step, step_cpu = statistics.median(times), statistics.median(cpu)
+        one, two = profs["1 batch"].costs, profs["2 batches"].costs
+        results["step_costs"] = {
+            "batch": [list(b["input_ids"].shape) for b in profiled],
+            "train_step_seconds": times, "train_step_median": step,
+            "train_step_cpu_seconds": cpu, "train_step_cpu_median": step_cpu,
+            "one_batch": dict(one), "two_batches": dict(two),
+            "share_of_step": {k: v["cpu_seconds"] / step_cpu for k, v in one.items()},
+            "two_batches_share": {k: v["cpu_seconds"] / step_cpu for k, v in two.items()},
+        }
+        save(out, results)
+        print(f"[bench] training step {step_cpu:.2f} CPU s ({step:.2f} s wall); criterion cost in training steps "
+              "(one batch): " + ", ".join(f"{k} {v:.2f}" for k, v in results["step_costs"]["share_of_step"].items()),
+              flush=True)
+    if "recipe_reference" not in results:
+        ref = measure_plan(model, [], heldout)
+        results["recipe_reference"] = {"loss_low": ref["loss_low"], "loss_high": ref["loss_high"],
+                                       "batches": [list(b["input_ids"].shape) for b in heldout],
+                                       "profile_batch": {k: p.losses for k, p in profs.items()}}
+        save(out, results)
+    ref = results["recipe_reference"]
+    rows = results.setdefault("recipe_plans", {})
+    prof = profs["1 batch"]
+    sizes = [u.bytes for u in prof.units]
+    for frac in BUDGETS:
+        budget = int(frac * prof.total_bytes)
+        candidates = [(f"{sc} (1 batch)", greedy_select(prof.scores(sc), sizes, budget)) for sc in PLANNED
+                      if sc in prof.score_names]
+        candidates.append(("first_order (2 batches)", greedy_select(profs["2 batches"].scores("first_order"), sizes,
+                                                                    budget)))
+        candidates += [(f"random{d}", c) for d, c in enumerate(random_sets(sizes, budget, draws, seed=int(frac * 1000)))]
+        for name, chosen in candidates:
+            key = f"{name}|{frac}"
+            if key in rows:
+                continue
+            m = measure_plan(model, chosen, heldout, reference=(ref["loss_low"], ref["loss_high"]))
+            own = measure_plan(model, chosen, profiled[:1], reference=(prof.losses["low"], prof.losses["high"]))
+            rows[key] = {"name": name, "budget": frac, "n": len(chosen), "bytes": sum(sizes[i] for i in chosen),
+                         "indices": chosen, "heldout_gap_closed": m["gap_closed"], "profile_batch_gap_closed":
+                         own["gap_closed"]}
+            save(out, results)
+            print(f"[bench] recipe {frac:.0%} {name}: {len(chosen)} units, gap closed held-out {m['gap_closed']:.3f}, "
+                  f"profile batch {own['gap_closed']:.3f}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -320,17 +365,36 @@ def report(out: Path) -> str:
             lines.append(f"| {frac:.0%} | random ({len(rnd)} draws) | {statistics.mean(r['n'] for r in rnd):.0f} | "
                          f"{statistics.mean(r['bytes'] for r in rnd) / 2**20:.1f} | "
                          f"{statistics.mean(r['predicted'] for r in rnd):.2f} | " + " | ".join(cells) + " |")
+    rp = results.get("recipe_plans", {})
+    if rp:
+        rr = results["recipe_reference"]
+        lines += ["", "On the recipe's own data: profiled on 1 (or 2) batch(es) of 4 generated problems, gap closed on "
+                  f"4 held-out batches (L_low {rr['loss_low']:.4f}, L_high {rr['loss_high']:.4f}) and on the profile "
+                  "batch", "", "| budget | chosen by | units | MiB | held-out | profile batch |", "|---|---|---|---|---|---|"]
+        for frac in BUDGETS:
+            named = [r for r in rp.values() if r["budget"] == frac and not r["name"].startswith("random")]
+            for r in named:
+                lines.append(f"| {frac:.0%} | {r['name']} | {r['n']} | {r['bytes'] / 2**20:.1f} | "
+                             f"{r['heldout_gap_closed']:.3f} | {r['profile_batch_gap_closed']:.3f} |")
+            rnd = [r for r in rp.values() if r["budget"] == frac and r["name"].startswith("random")]
+            if rnd:
+                h = [r["heldout_gap_closed"] for r in rnd]
+                o = [r["profile_batch_gap_closed"] for r in rnd]
+                lines.append(f"| {frac:.0%} | random ({len(rnd)} draws) | {statistics.mean(r['n'] for r in rnd):.0f} | "
+                             f"{statistics.mean(r['bytes'] for r in rnd) / 2**20:.1f} | {statistics.mean(h):.3f} "
+                             f"[{min(h):.3f}, {max(h):.3f}] | {statistics.mean(o):.3f} [{min(o):.3f}, {max(o):.3f}] |")
     sc = results.get("step_costs")
     if sc:
         lines += ["", f"Cost on the nf4 recipe's batch ({sc['batch'][0]} tokens): one training step (forward + "
                   f"backward + AdamW, LoRA r=8 on all seven projections) {sc['train_step_cpu_median']:.2f} CPU s, "
                   f"{sc['train_step_median']:.2f} s wall (median of {len(sc['train_step_seconds'])})", "",
-                  "| criterion | CPU seconds (one batch) | wall seconds | training steps (CPU time) |", "|---|---|---|---|"]
-        for k, v in sc["one_batch"].items():
-            lines.append(f"| {k} | {v['cpu_seconds']:.1f} | {v['seconds']:.1f} | {sc['share_of_step'][k]:.2f} |")
-        two = sc["two_batches_first_order"]
-        lines.append(f"| first_order on two batches (the CLI default) | {two['cpu_seconds']:.1f} | {two['seconds']:.1f} | "
-                     f"{sc['first_order_two_batches_share']:.2f} |")
+                  "| criterion | batches | CPU seconds | wall seconds | forwards | backwards | training steps (CPU time) |",
+                  "|---|---|---|---|---|---|---|"]
+        for label, costs, share in (("1", sc["one_batch"], sc["share_of_step"]),
+                                    ("2", sc["two_batches"], sc["two_batches_share"])):
+            for k, v in costs.items():
+                lines.append(f"| {k} | {label} | {v['cpu_seconds']:.1f} | {v['seconds']:.1f} | {v['forwards']} | "
+                             f"{v['backwards']} | {share[k]:.2f} |")
     return "\n".join(lines)
 
 
@@ -340,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--draws", type=int, default=5, help="random sets per budget (default 5)")
     p.add_argument("--report", action="store_true", help="only print the tables of a finished run")
-    p.add_argument("--skip-costs", action="store_true", help="skip the training-step cost stage")
+    p.add_argument("--skip-recipe", action="store_true", help="skip the recipe-data stage (plans, cost)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         print(prof.cost_table(), flush=True)
         stage_references(model, texts, prof, results, out)
         stage_plans(model, texts, prof, results, out, args.draws)
-        if not args.skip_costs:
-            stage_costs(model, tok, results, out)
+        if not args.skip_recipe:
+            stage_recipe(model, tok, results, out, args.draws)
         print(f"[bench] done in {time.time() - t0:.0f} s", flush=True)
     text = report(out)
     (out / "table.md").write_text(text + "\n")

@@ -622,11 +622,11 @@ def _first_order(model, units, batches, weights, progress) -> tuple[dict[str, li
         def fn(mod, inp, out):
             if not (isinstance(out, torch.Tensor) and out.requires_grad):
                 return
-            with torch.no_grad():
-                d = (_high_output(mod, inp[0].detach()) - out.detach()).to(torch.float64)
+            with torch.no_grad():  # kept in the compute dtype until the backward reaches this output
+                d = _high_output(mod, inp[0].detach()) - out.detach()
 
             def on_grad(g, d=d):
-                acc[u] -= float((g.to(torch.float64) * d).sum())
+                acc[u] -= float((g * d).sum(dtype=torch.float64))
 
             out.register_hook(on_grad)
         return fn
