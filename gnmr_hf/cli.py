@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: gnmr-hf {" + ",".join(_COMMANDS) + "} [options]\n")
         for name, (_, help_text) in _COMMANDS.items():
             print(f"  {name:<8}{help_text}")
+        print("\nOptions and examples of a command: gnmr-hf COMMAND --help")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
-        print(f"gnmr-hf: unknown command {name!r}; choose one of {', '.join(_COMMANDS)}", file=sys.stderr)
+        print(f"gnmr-hf: unknown command {name!r}; choose one of {', '.join(_COMMANDS)} (gnmr-hf --help)",
+              file=sys.stderr)
         return 2
     module = importlib.import_module(_COMMANDS[name][0])
     return int(module.main(rest) or 0)
