@@ -337,7 +337,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
     cmds = missing_requirements()
     if cmds:
-        raise DemoError("missing packages; install them with:\n  " + "\n  ".join(cmds))
+        raise DemoError("missing packages; install them with: " + " && ".join(cmds))
     choices = LOW_PATHS[args.low]
     precisions = list(choices) if args.precisions is None else [
         p.strip() for p in args.precisions.split(",") if p.strip()]
