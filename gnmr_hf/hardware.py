@@ -66,8 +66,8 @@ def _cuda_bf16() -> tuple[bool, str]:
 def auto_compute_dtype() -> tuple[str, str]:
     """``("bfloat16" | "float32", reason)``: the compute dtype ``compute_dtype: auto`` resolves to here.
 
-    The reason is one line for the user, e.g. ``"CPU has AMX-BF16, AVX512-BF16 (/proc/cpuinfo flags
-    amx_bf16, avx512_bf16)"``.
+    The reason is one line for the user, e.g. ``"CPU has AMX-BF16, AVX512-BF16: /proc/cpuinfo flags
+    amx_bf16, avx512_bf16"``.
     """
     cuda, name = _cuda_bf16()
     if cuda:
@@ -79,8 +79,8 @@ def auto_compute_dtype() -> tuple[str, str]:
                            "units, so FP32")
     found = [f for f in BF16_CPU_FLAGS if f in flags]
     if found:
-        return "bfloat16", (prefix + f"CPU has {', '.join(_FLAG_NAMES[f] for f in found)} "
-                            f"(/proc/cpuinfo flags {', '.join(found)})")
+        return "bfloat16", (prefix + f"CPU has {', '.join(_FLAG_NAMES[f] for f in found)}: "
+                            f"/proc/cpuinfo flags {', '.join(found)}")
     return "float32", (prefix + "CPU has neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo: BF16 would be "
                        "emulated and slower than FP32")
 
