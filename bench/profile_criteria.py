@@ -310,6 +310,41 @@ def stage_recipe(model, tok, results, out, draws: int) -> None:
                   f"profile batch {own['gap_closed']:.3f}", flush=True)
 
 
+def stage_memory(model, tok, texts, results, out) -> None:
+    """Peak memory of each cheap criterion (RSS growth after returning freed heap to the OS) on the profile
+    text and on one recipe batch, and of a training step on that batch (the ``loss`` criterion is
+    forward-only: the reference's memory plus its cache of decoder-layer outputs)."""
+    import torch
+
+    from gnmr_hf.profile import _Meter, profile_sensitivity
+
+    if "memory" in results:
+        return
+    batches, recipe = recipe_batches(tok, 1, out)
+    mem: dict[str, Any] = {}
+    for where, data in (("profile text", [texts[PROFILE_TEXT]]), ("recipe batch", batches)):
+        prof = profile_sensitivity(model, data, criteria=("output", "first_order", "lora_grad"))
+        mem[where] = {k: v["peak_mem_bytes"] for k, v in prof.costs.items()}
+        mem[where]["tokens"] = int(data[0]["input_ids"].numel())
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.detach().clone() for p in params]
+        opt = torch.optim.AdamW(params, lr=recipe.training.learning_rate, weight_decay=0.0)
+        model.train()
+        with _Meter(torch.device("cpu")) as meter:
+            model(**data[0]).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            for p, v in zip(params, saved):
+                p.copy_(v)
+        mem[where]["training step"] = meter.peak
+        print(f"[bench] memory on the {where} (MiB): " + ", ".join(
+            f"{k} {v / 2**20:.0f}" for k, v in mem[where].items() if k != "tokens"), flush=True)
+    results["memory"] = mem
+    save(out, results)
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -395,6 +430,16 @@ def report(out: Path) -> str:
             for k, v in costs.items():
                 lines.append(f"| {k} | {label} | {v['cpu_seconds']:.1f} | {v['seconds']:.1f} | {v['forwards']} | "
                              f"{v['backwards']} | {share[k]:.2f} |")
+    mem = results.get("memory")
+    if mem:
+        lines += ["", "Peak memory, MiB (process RSS growth after returning freed heap to the OS; a training step "
+                  "with AdamW's state created on its first step)", "",
+                  "| data | tokens | reference (L_low, L_high) | output | first_order | lora_grad | training step |",
+                  "|---|---|---|---|---|---|---|"]
+        for where, m in mem.items():
+            lines.append(f"| {where} | {m['tokens']} | " + " | ".join(
+                f"{m[k] / 2**20:.0f}" for k in ("reference", "output", "first_order", "lora_grad", "training step"))
+                + " |")
     return "\n".join(lines)
 
 
@@ -419,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_plans(model, texts, prof, results, out, args.draws)
         if not args.skip_recipe:
             stage_recipe(model, tok, results, out, args.draws)
+            stage_memory(model, tok, texts, results, out)
         print(f"[bench] done in {time.time() - t0:.0f} s", flush=True)
     text = report(out)
     (out / "table.md").write_text(text + "\n")

@@ -401,7 +401,8 @@ class _Meter:
         self.device = device
         self.seconds = 0.0
         self.peak = None
-        self.kind = "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process RSS (sampled every 5 ms)"
+        self.kind = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                     else "process RSS growth, sampled every 5 ms after returning freed heap to the OS")
 
     def __enter__(self) -> _Meter:
         if self.device.type == "cuda":
@@ -409,6 +410,7 @@ class _Meter:
             self._start = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            _trim_heap()  # memory freed by earlier passes goes back to the OS, so RSS growth is this block's
             self._start = _rss()
             self._max = self._start
             self._stop = threading.Event()
@@ -438,6 +440,16 @@ class _Meter:
             if r is not None and self._max is not None:
                 self._max = max(self._max, r)
             self.peak = None if self._start is None else int(self._max - self._start)
+
+
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the OS (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _rss() -> int | None:
