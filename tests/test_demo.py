@@ -197,11 +197,12 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
     monkeypatch.setattr(demo.subprocess, "call", lambda cmd: pytest.fail(f"trained again: {cmd}"))
     real = lm_eval.simple_evaluate
     calls: list[str] = []
+    interrupt = [True]
 
     def interrupted(*args, **kwargs):
         calls.append(kwargs["tasks"][0])
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # Ctrl-C during the base model's second task
+        if len(calls) == 2 and interrupt and interrupt.pop():
+            raise KeyboardInterrupt  # Ctrl-C during the base model's second task (once)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", interrupted)
