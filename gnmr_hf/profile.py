@@ -132,7 +132,8 @@ class SensitivityProfile:
         criteria: the criteria run (keys of :data:`CRITERIA`).
         losses: ``low`` and ``high`` (mean loss per target token with every unit low / high) and their
             per-batch values ``low_per_batch``, ``high_per_batch``.
-        costs: per criterion (and ``reference``, the two loss forwards): ``seconds`` (wall), ``cpu_seconds``
+        costs: per criterion (and ``reference``: the forwards for L_high, and for L_low when no criterion's own
+            forward at the low point gave it): ``seconds`` (wall), ``cpu_seconds``
             (process CPU time, all threads), ``forwards``,
             ``backwards``, ``peak_mem_bytes`` (peak increase over the start), ``mem_kind``.
         batches, tokens: how many batches and target tokens the profile saw.
@@ -539,17 +540,25 @@ def _skip_layers(layers: list[nn.Module], below: int, cache: dict[int, Any]) -> 
 # ------------------------------------------------------------------------------------------ criteria
 
 
-def _reference(model, units, batches, weights) -> tuple[dict[str, Any], dict[str, Any]]:
-    low, high = [], []
+def _reference(model, units, batches, weights, seen_low: dict[int, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """L_low and L_high per batch; L_low is taken from a criterion's forward at the low point when one ran."""
+    forwards = 0
     with _Meter(_device(model)) as meter, torch.no_grad():
-        for path, store in (([], low), (range(len(units)), high)):
-            _set_path(units, path)
-            for b in batches:
-                store.append(float(_loss(model, b)))
+        _set_path(units, [])
+        low = []
+        for i, b in enumerate(batches):
+            if i not in seen_low:
+                seen_low[i] = float(_loss(model, b))
+                forwards += 1
+            low.append(seen_low[i])
+        _set_path(units, range(len(units)))
+        high = [float(_loss(model, b)) for b in batches]
+        forwards += len(batches)
         _set_path(units, [])
     losses = {"low": sum(w * v for w, v in zip(weights, low)), "high": sum(w * v for w, v in zip(weights, high)),
               "low_per_batch": low, "high_per_batch": high}
-    return losses, _cost(meter, 2 * len(batches), 0)
+    note = "L_low from a criterion's own forward at the low point" if forwards < 2 * len(batches) else ""
+    return losses, _cost(meter, forwards, 0, note)
 
 
 def _store(cache: dict[int, Any], i: int):
@@ -558,7 +567,7 @@ def _store(cache: dict[int, Any], i: int):
     return hook
 
 
-def _loss_gains(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def _loss_gains(model, units, batches, weights, progress, seen_low) -> tuple[dict[str, list[float]], dict[str, Any]]:
     try:
         layers = [layer for _, layer in find_decoder_layers(model)]
     except ValueError:
@@ -568,7 +577,7 @@ def _loss_gains(model, units, batches, weights, progress) -> tuple[dict[str, lis
     with _Meter(_device(model)) as meter, torch.no_grad():
         bar = _progress(range(len(batches) * len(units)), len(batches) * len(units), "profile: loss", progress)
         it = iter(bar)
-        for b, w in zip(batches, weights):
+        for i, (b, w) in enumerate(zip(batches, weights)):
             cache: dict[int, Any] = {}
             handles = [layer.register_forward_hook(_store(cache, i)) for i, layer in enumerate(layers)]
             _set_path(units, [])
@@ -578,6 +587,7 @@ def _loss_gains(model, units, batches, weights, progress) -> tuple[dict[str, lis
                 for h in handles:
                     h.remove()
             forwards += 1
+            seen_low[i] = low
             for u, unit in enumerate(units):
                 next(it, None)
                 if not unit.dual:
@@ -594,7 +604,7 @@ def _loss_gains(model, units, batches, weights, progress) -> tuple[dict[str, lis
     return {"loss": gains}, _cost(meter, forwards, 0, note)
 
 
-def _output_errors(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def _output_errors(model, units, batches, weights, progress, seen_low) -> tuple[dict[str, list[float]], dict[str, Any]]:
     err = [0.0] * len(units)
     ref = [0.0] * len(units)
     mask: dict[str, torch.Tensor | None] = {"m": None}
@@ -617,9 +627,9 @@ def _output_errors(model, units, batches, weights, progress) -> tuple[dict[str, 
     try:
         with _Meter(_device(model)) as meter, torch.no_grad():
             _set_path(units, [])
-            for b in _progress(batches, len(batches), "profile: output", progress):
+            for i, b in enumerate(_progress(batches, len(batches), "profile: output", progress)):
                 mask["m"] = b.get("attention_mask")
-                _loss(model, b)
+                seen_low[i] = float(_loss(model, b))
     finally:
         for h in handles:
             h.remove()
@@ -627,7 +637,7 @@ def _output_errors(model, units, batches, weights, progress) -> tuple[dict[str, 
     return {"output": [math.sqrt(e) for e in err], "output_rel": rel}, _cost(meter, len(batches), 0)
 
 
-def _first_order(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]]:
+def _first_order(model, units, batches, weights, progress, seen_low) -> tuple[dict[str, list[float]], dict[str, Any]]:
     acc = [0.0] * len(units)
 
     def hook(u):
@@ -647,15 +657,17 @@ def _first_order(model, units, batches, weights, progress) -> tuple[dict[str, li
     try:
         with _Meter(_device(model)) as meter, _input_grad(model), torch.enable_grad():
             _set_path(units, [])
-            for b, w in zip(_progress(batches, len(batches), "profile: first_order", progress), weights):
-                (_loss(model, b) * w).backward()
+            for i, (b, w) in enumerate(zip(_progress(batches, len(batches), "profile: first_order", progress), weights)):
+                loss = _loss(model, b)
+                seen_low[i] = float(loss)
+                (loss * w).backward()
     finally:
         for h in handles:
             h.remove()
     return {"first_order": acc}, _cost(meter, len(batches), len(batches))
 
 
-def _lora_grads(model, units, batches, weights, progress) -> tuple[dict[str, list[float]], dict[str, Any]] | str:
+def _lora_grads(model, units, batches, weights, progress, seen_low) -> tuple[dict[str, list[float]], dict[str, Any]] | str:
     from gnmr_hf.core.oracle import recovery_gap_from_sq_norms
 
     params = [[p for p in unit.module.parameters() if p.requires_grad] for unit in units]
@@ -757,15 +769,16 @@ def profile_sensitivity(
     costs: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     try:
-        losses, costs["reference"] = _reference(model, info, prepared, weights)
+        seen_low: dict[int, float] = {}  # batch -> L_low, from any criterion's forward at the low point
         for name in names:
-            result = _RUNNERS[name](model, info, prepared, weights, progress)
+            result = _RUNNERS[name](model, info, prepared, weights, progress, seen_low)
             if isinstance(result, str):
                 warnings.warn(f"profile_sensitivity: {name} skipped: {result}", stacklevel=2)
                 skipped[name] = result
                 continue
             values, costs[name] = result
             scores.update(values)
+        losses, costs["reference"] = _reference(model, info, prepared, weights, seen_low)
     finally:
         _set_path(info, start)
         model.train(was_training)

@@ -340,6 +340,9 @@ def test_json_round_trip_and_table(model, batches, tmp_path):
     assert text.count("\n") == 5 and "layers." in text and "ranked by output" in text
     assert set(prof.costs) == {"reference", "first_order", "output"}
     assert prof.costs["first_order"]["forwards"] == 2 and prof.costs["first_order"]["backwards"] == 2
+    # L_low came from first_order's own forward: the reference ran L_high only
+    assert prof.costs["reference"]["forwards"] == 2
+    assert prof.losses["low"] == pytest.approx(hand_loss(model, batches, []), abs=1e-6)
     assert prof.keep_modules and "lm_head" in prof.keep_modules
 
 
