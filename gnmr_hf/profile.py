@@ -1163,7 +1163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--criterion", default=DEFAULT_CRITERION,
                    help=f"criteria, comma-separated ({', '.join(CRITERIA)}, or all); the first plans "
                         f"(default {DEFAULT_CRITERION})")
-    p.add_argument("--batches", type=int, default=2, help="batches to profile on (default 2)")
+    p.add_argument("--batches", type=int, default=1,
+                   help="batches to profile on (default 1: first_order on one batch costs about 1.6 training steps "
+                        "and chose as well as two on SmolLM2, docs/profile.md)")
     p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default: the recipe's, 4)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="tokens per example (default: the recipe's; 512 for a text file)")
