@@ -20,6 +20,9 @@ initialisation, so it changes no loss) for the ``lora_grad`` criterion.
    the profile batch), random sets alike; and the cost of each criterion as a share of one training step
    of the recipe setting (LoRA r=8 on all seven projections, AdamW; median of 3 timed steps of forward +
    backward + optimizer step after one warm-up; process CPU time, the machine being shared).
+5. Transfer: the text profile's plans measured on the held-out recipe batches, and the recipe profile's
+   plans on the three texts.
+6. Peak memory of the cheap criteria and of a training step on both kinds of data.
 
 Resumable: each stage's result is kept in ``OUT/results.json`` (and the profile in ``OUT/profile.json``)
 and skipped when present. One torch thread (a shared 2-core machine)::
@@ -310,6 +313,39 @@ def stage_recipe(model, tok, results, out, draws: int) -> None:
                   f"profile batch {own['gap_closed']:.3f}", flush=True)
 
 
+def stage_transfer(model, tok, texts, results, out) -> None:
+    """Plans chosen on one kind of data, measured on the other: the text profile's plans on the held-out
+    recipe batches, the recipe profile's plans on the three texts."""
+    from gnmr_hf.profile import SensitivityProfile, greedy_select, measure_plan
+
+    rows = results.setdefault("transfer", {})
+    text_prof = SensitivityProfile.from_json(out / "profile.json")
+    recipe_prof = SensitivityProfile.from_json(out / "recipe_profile_1_batch.json")
+    batches, _ = recipe_batches(tok, 6, out)
+    heldout = batches[2:]
+    rr, refs = results["recipe_reference"], results["references"]
+    sizes = [u.bytes for u in text_prof.units]
+    for frac in BUDGETS:
+        budget = int(frac * text_prof.total_bytes)
+        for score in ("loss", "first_order"):
+            key = f"text->recipe|{score}|{frac}"
+            if key not in rows:
+                chosen = greedy_select(text_prof.scores(score), sizes, budget)
+                m = measure_plan(model, chosen, heldout, reference=(rr["loss_low"], rr["loss_high"]))
+                rows[key] = {"from": "profile text", "to": "recipe held-out", "score": score, "budget": frac,
+                             "n": len(chosen), "gap_closed": {"recipe held-out": m["gap_closed"]}}
+                save(out, results)
+                print(f"[bench] transfer {key}: {m['gap_closed']:.3f}", flush=True)
+            key = f"recipe->text|{score}|{frac}"
+            if key not in rows:
+                chosen = greedy_select(recipe_prof.scores(score), sizes, budget)
+                gaps = measure_all(model, texts, chosen, refs)
+                rows[key] = {"from": "recipe batch", "to": "texts", "score": score, "budget": frac,
+                             "n": len(chosen), "gap_closed": gaps}
+                save(out, results)
+                print(f"[bench] transfer {key}: " + ", ".join(f"{v:.3f}" for v in gaps.values()), flush=True)
+
+
 def stage_memory(model, tok, texts, results, out) -> None:
     """Peak memory of each cheap criterion (RSS growth after returning freed heap to the OS) on the profile
     text and on one recipe batch, and of a training step on that batch (the ``loss`` criterion is
@@ -346,6 +382,10 @@ def stage_memory(model, tok, texts, results, out) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ report
+
+
+def _cell(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def report(out: Path) -> str:
@@ -403,6 +443,15 @@ def report(out: Path) -> str:
     rp = results.get("recipe_plans", {})
     if rp:
         rr = results["recipe_reference"]
+        one = SensitivityProfile.from_json(out / "recipe_profile_1_batch.json")
+        two = SensitivityProfile.from_json(out / "recipe_profile_2_batches.json")
+        rl = one.scores("loss")
+        lines += ["", f"Recipe batch ({one.tokens} target tokens; L_low {one.losses['low']:.4f}, L_high "
+                  f"{one.losses['high']:.4f}): Spearman with its loss gains: " + ", ".join(
+                      f"{sc} {spearman(one.scores(sc), rl):.3f}" for sc in PLANNED[1:] if sc in one.score_names)
+                  + f"; first_order on 2 batches {spearman(two.scores('first_order'), rl):.3f}; loss gains on the "
+                  f"recipe batch against those on the profile text {spearman(rl, loss):.3f}; single gains sum to "
+                  f"{sum(rl) / one.gap:.2f} x the gap"]
         lines += ["", "On the recipe's own data: profiled on 1 (or 2) batch(es) of 4 generated problems, gap closed on "
                   f"4 held-out batches (L_low {rr['loss_low']:.4f}, L_high {rr['loss_high']:.4f}) and on the profile "
                   "batch", "", "| budget | chosen by | units | MiB | held-out | profile batch |", "|---|---|---|---|---|---|"]
@@ -430,6 +479,15 @@ def report(out: Path) -> str:
             for k, v in costs.items():
                 lines.append(f"| {k} | {label} | {v['cpu_seconds']:.1f} | {v['seconds']:.1f} | {v['forwards']} | "
                              f"{v['backwards']} | {share[k]:.2f} |")
+    tr = results.get("transfer", {})
+    if tr:
+        lines += ["", "Plans carried to the other kind of data (gap closed there)", "",
+                  "| budget | chosen by | on | " + " | ".join([*texts, "recipe held-out"]) + " |",
+                  "|---|---|---|" + "---|" * (len(texts) + 1)]
+        for frac in BUDGETS:
+            for r in (r for r in tr.values() if r["budget"] == frac):
+                cells = [_cell(r["gap_closed"].get(t)) for t in [*texts, "recipe held-out"]]
+                lines.append(f"| {frac:.0%} | {r['score']} | {r['from']} | " + " | ".join(cells) + " |")
     mem = results.get("memory")
     if mem:
         lines += ["", "Peak memory, MiB (process RSS growth after returning freed heap to the OS; a training step "
@@ -465,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_recipe:
             stage_recipe(model, tok, results, out, args.draws)
             stage_memory(model, tok, texts, results, out)
+            stage_transfer(model, tok, texts, results, out)
         print(f"[bench] done in {time.time() - t0:.0f} s", flush=True)
     text = report(out)
     (out / "table.md").write_text(text + "\n")
