@@ -659,7 +659,7 @@ def _first_order(model, units, batches, weights, progress, seen_low) -> tuple[di
             _set_path(units, [])
             for i, (b, w) in enumerate(zip(_progress(batches, len(batches), "profile: first_order", progress), weights)):
                 loss = _loss(model, b)
-                seen_low[i] = float(loss)
+                seen_low[i] = float(loss.detach())
                 (loss * w).backward()
     finally:
         for h in handles:
