@@ -29,7 +29,7 @@ and skipped when present. One torch thread (a shared 2-core machine)::
 
     nohup python bench/profile_criteria.py --out bench/results/profile_criteria \\
         > bench/results/profile_criteria/log.txt 2>&1 &
-    python bench/profile_criteria.py --out bench/results/profile_criteria --report   # the tables again
+    python bench/profile_criteria.py --out bench/results/profile_criteria --report --plot docs/profile_criteria.png
 """
 
 from __future__ import annotations
@@ -501,6 +501,52 @@ def report(out: Path) -> str:
     return "\n".join(lines)
 
 
+def plot(out: Path, path: Path) -> Path:
+    """Gap closed against extra bytes per criterion: mean over the two held-out texts, and on the held-out
+    recipe batches; random as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads((out / "results.json").read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    xs = [0] + [100 * f for f in BUDGETS]
+    styles = {"loss": ("k", "o-"), "first_order": ("C3", "s-"), "output": ("C0", "^--"), "output_rel": ("C0", "v:"),
+              "lora_grad": ("C2", "^--"), "lora_grad_rel": ("C2", "v:")}
+    for ax, (title, rows, getter) in zip(axes, (
+            ("two held-out texts (profiled on introduction.rst.txt)", results["plans"],
+             lambda r: statistics.mean(r["gap_closed"][t] for t in HELDOUT_TEXTS)),
+            ("4 held-out recipe batches (profiled on one batch)", results["recipe_plans"],
+             lambda r: r["heldout_gap_closed"]))):
+        for sc, (color, style) in styles.items():
+            ys = [0.0]
+            for frac in BUDGETS:
+                r = next((r for r in rows.values() if r.get("budget") == frac and (
+                    r.get("score") == sc and r.get("how") == "per byte" or r.get("name") == f"{sc} (1 batch)")), None)
+                ys.append(math.nan if r is None else getter(r))
+            ax.plot(xs, ys, style, color=color, label=sc)
+        lo, mid, hi = [0.0], [0.0], [0.0]
+        for frac in BUDGETS:
+            v = [getter(r) for r in rows.values() if r.get("budget") == frac and (
+                r.get("score") == "random" or str(r.get("name", "")).startswith("random"))]
+            lo.append(min(v))
+            mid.append(statistics.mean(v))
+            hi.append(max(v))
+        ax.fill_between(xs, lo, hi, color="grey", alpha=0.25, label="random (5 draws)")
+        ax.plot(xs, mid, "-", color="grey")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("extra BF16 bytes, % of the quantised weights' BF16 bytes")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("gap closed (L_low - L_plan) / (L_low - L_high)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct NF4: plans by each criterion (greedy by score per byte)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "profile_criteria"))
@@ -508,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draws", type=int, default=5, help="random sets per budget (default 5)")
     p.add_argument("--report", action="store_true", help="only print the tables of a finished run")
     p.add_argument("--skip-recipe", action="store_true", help="skip the recipe-data stage (plans, cost)")
+    p.add_argument("--plot", default=None, help="also write the gap-closed plot here (e.g. docs/profile_criteria.png)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -528,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     text = report(out)
     (out / "table.md").write_text(text + "\n")
     print(text)
+    if args.plot:
+        print(f"wrote {plot(out, Path(args.plot))}")
     return 0
 
 

@@ -1378,7 +1378,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_plot:
         try:
             written.append(str(plot_profile(prof, price, out / "profile.png", name,
-                                            title=f"{Path(str(model_path)).name}, {args.low}: {prof.tokens} tokens")))
+                                            title=f"{Path(str(model_path)).name}, {args.low}: profiled on {prof.tokens} target tokens")))
         except ImportError:
             print("[profile] matplotlib is not installed: no profile.png (pip install matplotlib)", file=sys.stderr)
     print()
