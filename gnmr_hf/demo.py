@@ -456,10 +456,9 @@ def _run(args: argparse.Namespace) -> int:
             if args.fresh or (adapter is not None and parts.is_dir() and any(
                     f.stat().st_mtime < (adapter / "run.json").stat().st_mtime for f in parts.glob("*.json"))):
                 _drop_eval(out, name)  # scored on an older adapter
-            done = [t for t in task_list if (parts / f"{t}.json").is_file()]
+            # a task scored before with these settings is read back (evaluate prints "read from ...")
             print(f"[demo] eval {name} ({i}/{len(names)}): {', '.join(task_list)}"
-                  + ("" if adapter is None else f" with the {name} adapter")
-                  + (f"; kept from before: {', '.join(done)}" if done else ""), flush=True)
+                  + ("" if adapter is None else f" with the {name} adapter"), flush=True)
             timer.start()
             try:
                 # zero-shot: the recipes train on the harness's GSM8K prompt without exemplars
@@ -469,7 +468,8 @@ def _run(args: argparse.Namespace) -> int:
                                    compute_dtype=eval_dtype, resume_dir=parts)
             except EvalError as e:
                 raise DemoError(f"evaluating {name}: {e}") from None
-            phase = timer.stop(f"eval {name}", note=f"kept: {', '.join(done)}" if done else "")
+            kept = results["summary"].get("read_back") or []
+            phase = timer.stop(f"eval {name}", note=f"read back: {', '.join(kept)}" if kept else "")
             print(f"[demo] eval {name}: {phase['wall_s']:.0f} s", flush=True)
             evals[name] = _eval_figures(results)
 

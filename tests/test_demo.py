@@ -199,7 +199,15 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
     import lm_eval
 
     out = tmp_path / "demo"
-    _fake_finished_bf16_run(out / "bf16", smollm2_dir, "float32")
+    with capsys.disabled():
+        # transformers, datasets and huggingface_hub bind their log handler to the sys.stderr of their first
+        # use; outside capsys that is the real one, not this test's capture (closed after it, which would
+        # make every later log line of the session a "Logging error")
+        import datasets  # noqa: F401
+        import huggingface_hub  # noqa: F401
+        import lm_eval.models.huggingface  # noqa: F401
+
+        _fake_finished_bf16_run(out / "bf16", smollm2_dir, "float32")
     monkeypatch.setattr(demo.subprocess, "call", lambda cmd: pytest.fail(f"trained again: {cmd}"))
     real = lm_eval.simple_evaluate
     calls: list[str] = []
@@ -223,8 +231,10 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
     assert demo.main(args) == 0
     # the base model's wikitext was kept; its hellaswag and the adapter's two tasks were scored
     assert calls == ["hellaswag", "wikitext", "hellaswag"]
-    printed = capsys.readouterr().out
-    assert "eval base (1/2): wikitext, hellaswag; kept from before: wikitext" in printed
+    printed = capsys.readouterr()
+    assert "gnmr-hf eval: wikitext (1/2): read from" in printed.err
+    timings = json.loads((out / "timings.json").read_text())["phases"]
+    assert [p["note"] for p in timings if p["phase"].startswith("eval")] == ["read back: wikitext", ""]
     rows = {r["run"]: r for r in json.loads((out / "summary.json").read_text())}
     assert rows["base (no fine-tune)"]["hellaswag_acc"] is not None and rows["bf16"]["wikitext_word_ppl"] > 1
     assert rows["bf16"]["eval_compute_dtype"] == "float32"

@@ -552,6 +552,7 @@ def test_resume_dir_keeps_finished_tasks(bigram_dir, data_dir, tmp_path, monkeyp
     resumed = evaluate(str(bigram_dir), "wikitext,hellaswag", output=tmp_path / "all.json", **kwargs)
     assert calls == [["wikitext"], ["hellaswag"], ["hellaswag"]]  # wikitext was not scored again
     assert resumed["results"]["wikitext"] == first["results"]["wikitext"]
+    assert resumed["summary"]["read_back"] == ["wikitext"]
     assert set(resumed["results"]) == {"wikitext", "hellaswag"}
     assert set(resumed["configs"]) == {"wikitext", "hellaswag"} and resumed["n-samples"]["hellaswag"]["effective"] == 2
     assert json.loads((tmp_path / "all.json").read_text())["summary"]["hellaswag_acc"] is not None

@@ -444,7 +444,8 @@ def evaluate(
 
     Returns:
         the harness's results dict (the tasks' runs merged), plus ``"summary"``: the Table 7 numbers (see
-        :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row) and the run's settings.
+        :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row), the run's settings
+        and ``"read_back"`` (the tasks read from ``resume_dir`` instead of scored).
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
     task_names = parse_tasks(tasks)
@@ -507,6 +508,7 @@ def evaluate(
         precision=precision, compute_dtype=dtype_name, batch_size=batch_size, max_gen_toks=max_gen_toks,
         data_dir=None if data_dir is None else str(Path(data_dir).resolve()),
         limit=limit, num_fewshot=num_fewshot, tasks=task_names,
+        read_back=[t for t in task_names if t not in todo],  # from resume_dir, not scored by this call
     )
     results["summary"] = summary
     if output is not None:
