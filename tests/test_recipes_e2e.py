@@ -280,7 +280,9 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     mtime = (out / "gnmr-nf4" / "run.json").stat().st_mtime
     second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "[demo] gnmr-nf4: complete in" in second.stdout and "skipped" in second.stdout
-    assert "[demo] eval gnmr-nf4:" in second.stdout and "exists, skipped" in second.stdout
+    assert "[demo] train gnmr-nf4 (1/1): complete in" in second.stdout and "kept" in second.stdout
+    # every task of the adapter's evaluation is read back from its earlier result, none scored again
+    assert "[demo] eval gnmr-nf4" in second.stdout
+    assert "gnmr-hf eval: wikitext (1/1): read from" in second.stderr + second.stdout
     assert (out / "gnmr-nf4" / "run.json").stat().st_mtime == mtime
     assert json.loads((out / "summary_nf4.json").read_text()) == rows
