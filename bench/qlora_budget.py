@@ -94,12 +94,9 @@ def parse_method(method: str) -> tuple[str, int]:
 
 def greedy_fill(order: list[int], unit_bytes: list[int], budget: int) -> list[int]:
     """Walk ``order`` and keep each unit that still fits in ``budget`` bytes (sorted result)."""
-    chosen, used = [], 0
-    for u in order:
-        if used + unit_bytes[u] <= budget:
-            chosen.append(u)
-            used += unit_bytes[u]
-    return sorted(chosen)
+    from gnmr_hf.profile import fill_in_order
+
+    return fill_in_order(order, unit_bytes, budget)
 
 
 def layer_units(layers: list[int], ops: int = OPS_PER_LAYER) -> list[int]:

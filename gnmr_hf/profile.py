@@ -881,6 +881,11 @@ def greedy_select(scores: Sequence[float], sizes: Sequence[int], budget: int) ->
     units that no longer fit; units with a non-positive (or non-finite) score are never chosen."""
     order = sorted((i for i, s in enumerate(scores) if math.isfinite(s) and s > 0 and sizes[i] > 0),
                    key=lambda i: (-scores[i] / sizes[i], i))
+    return fill_in_order(order, sizes, budget)
+
+
+def fill_in_order(order: Iterable[int], sizes: Sequence[int], budget: int) -> list[int]:
+    """Walk ``order`` and keep each index whose size still fits in ``budget`` (sorted result)."""
     chosen, used = [], 0
     for i in order:
         if used + sizes[i] <= budget:
