@@ -313,20 +313,56 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
                 )
 
 
+def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """``--skip-modules``: a comma-separated list, or a ``profile.json`` (``gnmr-hf profile``'s ``skip_modules``).
+
+    Returns the list, or None for ``None`` / an empty string.
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, (list, tuple)):
+        return [str(m) for m in spec]
+    text = str(spec).strip()
+    if not text:
+        return None
+    if text.endswith(".json") or Path(text).is_file():
+        path = Path(text)
+        if not path.is_file():
+            raise EvalError(f"--skip-modules {text}: no such file (a profile.json from gnmr-hf profile, or a "
+                            "comma-separated list of module names)")
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise EvalError(f"--skip-modules {text}: not JSON ({e})") from None
+        modules = data.get("skip_modules") if isinstance(data, dict) else None
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise EvalError(f"--skip-modules {text}: no 'skip_modules' list of names in it (write one with "
+                            "gnmr-hf profile --output DIR)")
+        return modules
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
 def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
-               device: str = "cpu", compute_dtype: str = "bfloat16") -> tuple[Any, Any]:
+               device: str = "cpu", compute_dtype: str = "bfloat16",
+               skip_modules: list[str] | None = None) -> tuple[Any, Any]:
     """Load the base (BF16, bitsandbytes INT8 or NF4) and apply an optional LoRA adapter with plain PEFT.
 
     Args:
         model: a local checkpoint folder or a hub id.
         precision: ``"bf16"``, ``"int8"`` (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute) or
             ``"nf4"`` (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``, BF16 compute:
-            the base a QLoRA adapter was trained on).
+            the base a QLoRA adapter was trained on). Its layers compute with bitsandbytes' reference
+            de-quantise + matmul on every device (:func:`gnmr_hf.backends.bnb_4bit.keep_reference_layout`),
+            as the recipes train.
         adapter: a PEFT adapter folder (``adapter_config.json`` + weights), or None.
         device: ``"cpu"`` or ``"cuda"``.
         compute_dtype: the dtype the model computes in: ``"bfloat16"`` (default), ``"float32"`` (the
             BF16 weights upcast exactly; the INT8/NF4 layers' inputs and the 4-bit compute dtype too),
             ``"float16"``, or ``"auto"`` (:func:`gnmr_hf.hardware.auto_compute_dtype`).
+        skip_modules: for ``int8`` / ``nf4``, bitsandbytes' ``llm_int8_skip_modules``: the modules kept
+            unquantised (their checkpoint weights in ``compute_dtype``), e.g. a plan's
+            :func:`gnmr_hf.skip_modules` list: the mixed base a planned adapter trained on. The list
+            replaces transformers' default one (which keeps ``lm_head``), as in ``BitsAndBytesConfig``.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -335,6 +371,8 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
     if precision not in PRECISIONS:
         raise EvalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype_name = _compute_dtype(compute_dtype)
+    if skip_modules is not None and precision == "bf16":
+        raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
     if adapter is not None:
         require("peft", "Loading a LoRA adapter")
         _read_adapter_config(adapter)
@@ -354,9 +392,10 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         require("bitsandbytes", f"Loading the base model in {precision.upper()}")
         from transformers import BitsAndBytesConfig
 
+        skip = {} if skip_modules is None else {"llm_int8_skip_modules": list(skip_modules)}
         kwargs["quantization_config"] = (
-            BitsAndBytesConfig(load_in_8bit=True) if precision == "int8" else
-            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype))
+            BitsAndBytesConfig(load_in_8bit=True, **skip) if precision == "int8" else
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, **skip))
         kwargs["device_map"] = {"": device if device != "cuda" else torch.cuda.current_device()}
     try:
         base = AutoModelForCausalLM.from_pretrained(model, **kwargs)
@@ -364,6 +403,12 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         raise EvalError(f"cannot load --model {model}: {e}") from None
     if precision == "bf16":
         base = base.to(device)
+    if precision == "nf4":
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        # the reference de-quantise + matmul, as in training (the recipes, the dual path): without it
+        # bitsandbytes repacks on CPUs with AVX512-BF16 (BF16 block scales) and the scores differ by CPU
+        keep_reference_layout(base)
     if adapter is not None:
         from peft import PeftModel
 
@@ -412,6 +457,7 @@ def evaluate(
     compute_dtype: str = "bfloat16",
     resume_dir: str | os.PathLike | None = None,
     bootstrap_iters: int = 100000,
+    skip_modules: list[str] | None = None,
 ) -> dict[str, Any]:
     """Score ``model`` (+ ``adapter``) on the bundled tasks with lm-evaluation-harness.
 
@@ -441,6 +487,7 @@ def evaluate(
             as the task finishes, so an interrupted evaluation resumes at the task it was in.
         bootstrap_iters: the harness's bootstrap resamples for the stderr of non-mean metrics (the
             perplexities); 0 skips those stderrs (the metrics are the same).
+        skip_modules: for ``int8`` / ``nf4``, the modules kept unquantised (see :func:`load_model`).
 
     Returns:
         the harness's results dict (the tasks' runs merged), plus ``"summary"``: the Table 7 numbers (see
@@ -454,6 +501,8 @@ def evaluate(
     if adapter is not None:
         _read_adapter_config(adapter)
     dtype_name = _compute_dtype(compute_dtype)
+    if skip_modules is not None and precision == "bf16":
+        raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -462,7 +511,7 @@ def evaluate(
         "precision": precision, "compute_dtype": dtype_name,
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()), "limit": limit,
         "num_fewshot": num_fewshot, "max_gen_toks": max_gen_toks, "batch_size": batch_size,
-        "log_samples": log_samples, "device": device,
+        "log_samples": log_samples, "device": device, "skip_modules": skip_modules,
     }
     parts: dict[str, dict[str, Any]] = {}
     if resume_dir is not None:
@@ -481,7 +530,8 @@ def evaluate(
                       file=sys.stderr, flush=True)
                 continue
             if lm is None:
-                lm, manager = _harness_model(model, precision, adapter, device, dtype_name, batch_size, include)
+                lm, manager = _harness_model(model, precision, adapter, device, dtype_name, batch_size, include,
+                                             skip_modules)
             print(f"gnmr-hf eval: {task} ({i}/{len(task_names)})", file=sys.stderr, flush=True)
             from lm_eval import simple_evaluate
 
@@ -506,6 +556,7 @@ def evaluate(
     summary.update(
         row=format_row(summary), model=str(model), adapter=None if adapter is None else str(adapter),
         precision=precision, compute_dtype=dtype_name, batch_size=batch_size, max_gen_toks=max_gen_toks,
+        skip_modules=skip_modules,
         data_dir=None if data_dir is None else str(Path(data_dir).resolve()),
         limit=limit, num_fewshot=num_fewshot, tasks=task_names,
         read_back=[t for t in task_names if t not in todo],  # from resume_dir, not scored by this call
@@ -517,13 +568,14 @@ def evaluate(
 
 
 def _harness_model(model: str, precision: str, adapter: str | os.PathLike | None, device: str, dtype_name: str,
-                   batch_size: int | str, include: Path | None) -> tuple[Any, Any]:
+                   batch_size: int | str, include: Path | None,
+                   skip_modules: list[str] | None = None) -> tuple[Any, Any]:
     """The loaded model wrapped in the harness's ``HFLM``, and the ``TaskManager`` for the tasks."""
     import torch
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm_model, tokenizer = load_model(model, precision, adapter, device, dtype_name)
+    lm_model, tokenizer = load_model(model, precision, adapter, device, dtype_name, skip_modules)
     if include is not None:
         # our folder only: the local tasks keep the harness's names and indexing stays fast
         manager = TaskManager(include_path=str(include), include_defaults=False)
@@ -602,6 +654,8 @@ EPILOG = """examples:
   gnmr-hf eval --model ~/.cache/gnmr_hf/smollm2-135m-instruct --data-dir eval_data --limit 20
   gnmr-hf eval --model PATH --adapter runs/gnmr --precision int8 --tasks gsm8k,wikitext --output gnmr.json
   gnmr-hf eval --model PATH --compute-dtype float32 --batch-size 8 --resume-dir runs/eval_parts
+  gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter runs/planned-nf4
+                                                    # the mixed base a planned adapter trained on
   python -m gnmr_hf.offline.eval_data eval_data     # writes the offline evaluation set used above
 
 Errors (a bad task, data folder, adapter or option) are one line on stderr and exit code 2.
@@ -621,6 +675,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", default="bfloat16", choices=COMPUTE_DTYPES,
                    help="dtype the model computes in (default bfloat16; float32 makes --batch-size > 1 give the "
                         "batch-1 scores; auto: BF16 where the hardware has BF16 units, else FP32)")
+    p.add_argument("--skip-modules", help="int8/nf4: modules kept unquantised (llm_int8_skip_modules): a "
+                                          "comma-separated list, or a profile.json from gnmr-hf profile")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--data-dir", help="local data in the hub schemas, DIR/<task>/<split>.jsonl (default: hub datasets)")
     p.add_argument("--limit", type=_limit, help="documents per task (per MMLU subject); <1 = a fraction")
@@ -649,12 +705,13 @@ def main(argv: list[str] | None = None) -> int:
               "(see gnmr-hf eval --help)", file=sys.stderr)
         return 2
     try:
+        skip_modules = read_skip_modules(args.skip_modules)
         results = evaluate(
             args.model, args.tasks, adapter=args.adapter, precision=args.precision, data_dir=args.data_dir,
             limit=args.limit, batch_size=batch_size, num_fewshot=args.num_fewshot, device=args.device,
             method=args.name, gsm8k_filter=args.gsm8k_filter, max_gen_toks=args.max_gen_toks,
             log_samples=args.log_samples, output=args.output, compute_dtype=args.compute_dtype,
-            resume_dir=args.resume_dir,
+            resume_dir=args.resume_dir, skip_modules=skip_modules,
         )
     except (EvalError, ImportError) as e:  # ImportError: require()'s "install it with" message
         print(f"gnmr-hf eval: error: {e}", file=sys.stderr)
