@@ -69,8 +69,9 @@ GNMR_RECIPE = ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"  # its gnmr bl
 BUDGETS = (5, 10, 25)
 # the first tier: every reference and the 10 % column; then the price curve; then the rest
 TIER1 = ("bf16", "nf4", "prof-op-10", "rand-op-10", "gnmr-op-10", "hybrid-10", "loftq")
-TIER2 = ("prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25", "hybrid-5", "hybrid-25")
-TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "loftq+prof-op-10")
+# loftq+prof-op-10 leads the second tier: LoftQ alone at 0 bytes closes more than the plan alone
+TIER2 = ("loftq+prof-op-10", "prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25", "hybrid-5", "hybrid-25")
+TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
 METHODS = TIER1 + TIER2 + TIER3
 DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op")  # no fixed set: served on the all-NF4 base
 OPS_PER_LAYER = 7
@@ -341,21 +342,36 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         loftq_s = 0.0
 
     callback = gnmr_hf.GNMRCallback(policy=policy, units=callback_units)
+    every = getattr(args, "oracle_every", 0) or 0
+    if every and recipe.training.gradient_accumulation_steps != 1:
+        raise SystemExit("--oracle-every needs gradient_accumulation_steps 1 (the probe clears the gradients)")
+    probe = nf4_bench.GapProbe(model, units) if every else None
+    oracle_rows: list[dict[str, Any]] = []
     step_times: list[float] = []
     recovery_bytes: list[int] = []
     active_per_step: list[list[int]] = []
 
     class Bench(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.probe0 = time.perf_counter(), probe.seconds if probe else 0.0
             active_per_step.append(active_units(model, units))
             recovery_bytes.append(recovery_device_bytes(model))
 
         def on_step_end(self, a, state, control, **kw):
-            step_times.append(time.perf_counter() - self.t0)
+            step_times.append(time.perf_counter() - self.t0 - ((probe.seconds if probe else 0.0) - self.probe0))
+
+    class BenchTrainer(Trainer):
+        def training_step(self, model_, inputs, num_items_in_batch=None):
+            step = self.state.global_step + 1
+            if probe is not None and (step - 1) % every == 0 and not (oracle_rows and oracle_rows[-1]["step"] == step):
+                # every unit's recovery gap on this step's batch (LoRA gradients all-NF4 vs all-BF16,
+                # dropout off), before the step runs; the set it runs is recorded at its start
+                oracle_rows.append({"step": step, "gaps": [float(g) for g in
+                                                           probe.measure(self._prepare_inputs(dict(inputs)))]})
+            return super().training_step(model_, inputs, num_items_in_batch)
 
     train_ds = _train_dataset(recipe, tokenizer, out)
-    trainer = Trainer(model=model, args=recipe.training, train_dataset=train_ds, data_collator=_collator(tokenizer),
+    trainer = BenchTrainer(model=model, args=recipe.training, train_dataset=train_ds, data_collator=_collator(tokenizer),
                       callbacks=[Bench(), callback])
     start = time.time()
     trainer.train()
@@ -371,6 +387,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     set_active_units(model, list(range(U)), units)
     loss_merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
     set_active_units(model, [], units)
+    if getattr(args, "save_adapter", None):
+        model.save_pretrained(args.save_adapter)  # the LoRA adapter alone (plain PEFT files)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     used = [sum(ub[u] for u in a) for a in active_per_step]
     result: dict[str, Any] = {
@@ -386,6 +404,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "loftq_s": round(loftq_s, 1), "summary": json.loads((out / "gnmr_summary.json").read_text()),
         "threads": torch.get_num_threads(),
     }
+    if probe is not None:
+        for row in oracle_rows:
+            row["active"] = active_per_step[row["step"] - 1]
+        result.update(oracle_rows=oracle_rows, oracle_every=every, gap_probe_s=round(probe.seconds, 1),
+                      unit_names=[gnmr_hf.units.short_name(n) for n, _ in units], unit_bytes=ub)
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, out / "result.json")
@@ -393,6 +416,162 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
           f"mean BF16 bytes {result['mean_active_bytes'] / total:.3f} of the quantised weights, "
           f"step {result['step_s_median']:.2f} s")
     return result
+
+
+# -------------------------------------------------------------------------------------------- oracle
+
+ORACLE_METHOD = "gnmr-op-10"  # the run whose steps the oracle diagnostic measures (seed 0)
+RANDOM_DRAWS = 20
+
+
+def oracle_set(gaps: list[float], unit_bytes: list[int], budget: int) -> list[int]:
+    """The oracle at operator grain under a byte budget: greedy by recovery gap per byte (ties to the lower
+    index), units with a zero gap left out (nothing to recover)."""
+    order = sorted((b for b in range(len(gaps)) if gaps[b] > 0), key=lambda b: (-gaps[b] / unit_bytes[b], b))
+    return greedy_fill(order, unit_bytes, budget)
+
+
+def oracle_scores(gaps: list[float], chosen: list[int], unit_bytes: list[int], budget: int) -> dict[str, float]:
+    """One step: a chosen set against the oracle set at the same byte budget.
+
+    precision = |C & O| / |C|, recall = |C & O| / |O|, bytes_recall = bytes(C & O) / bytes(O),
+    captured = sum of gaps over C / sum over all units, oracle_captured = the same for O.
+    """
+    import math
+
+    oracle, picked = set(oracle_set(gaps, unit_bytes, budget)), set(chosen)
+    hits = picked & oracle
+    total = sum(gaps)
+    return {
+        "precision": len(hits) / len(picked) if picked else math.nan,
+        "recall": len(hits) / len(oracle) if oracle else math.nan,
+        "bytes_recall": sum(unit_bytes[b] for b in hits) / sum(unit_bytes[b] for b in oracle) if oracle else math.nan,
+        "captured": sum(gaps[b] for b in picked) / total if total > 0 else math.nan,
+        "oracle_captured": sum(gaps[b] for b in oracle) / total if total > 0 else math.nan,
+    }
+
+
+def oracle_choices(result: dict[str, Any], scores: list[float] | None) -> dict[str, list[list[int]]]:
+    """Per measured step, the set each trigger runs (or would run) at the run's byte budget."""
+    rows, ub, pct = result["oracle_rows"], result["unit_bytes"], result["budget_pct"]
+    budget = sum(ub) * pct // 100
+    choices: dict[str, list[list[int]]] = {f"{result['method']} (as run)": [r["active"] for r in rows]}
+    if scores is not None:
+        planned = static_set("prof-op", pct, ub, scores, 0)
+        choices[f"profile plan (prof-op-{pct})"] = [planned] * len(rows)
+    for d in range(RANDOM_DRAWS):  # fixed random sets, one per draw; their mean is the row
+        choices[f"random operators #{d}"] = [static_set("rand-op", pct, ub, None, d)] * len(rows)
+    # hindsight: the previous measured step's oracle set (how stable the oracle is from step to step)
+    choices["previous measured step's oracle"] = [[]] + [oracle_set(r["gaps"], ub, budget) for r in rows[:-1]]
+    return choices
+
+
+def oracle_table(result: dict[str, Any], scores: list[float] | None) -> list[dict[str, Any]]:
+    """Mean over the measured steps of each trigger's scores (the random draws averaged into one row)."""
+    rows, ub, pct = result["oracle_rows"], result["unit_bytes"], result["budget_pct"]
+    budget = sum(ub) * pct // 100
+    table: dict[str, list[dict[str, float]]] = {}
+    for name, sets in oracle_choices(result, scores).items():
+        key = f"random operators (mean of {RANDOM_DRAWS} fixed sets)" if name.startswith("random operators #") else name
+        first = 1 if name.startswith("previous") else 0
+        table.setdefault(key, []).extend(oracle_scores(r["gaps"], c, ub, budget)
+                                         for r, c in list(zip(rows, sets))[first:])
+    out = []
+    for name, per_step in table.items():
+        row = {"trigger": name, "steps": len(per_step)}
+        for k in ("precision", "recall", "bytes_recall", "captured", "oracle_captured"):
+            vals = [v[k] for v in per_step if v[k] == v[k]]
+            row[k] = statistics.mean(vals) if vals else float("nan")
+        out.append(row)
+    return out
+
+
+def oracle_dir(out: Path, seed: int = 0) -> Path:
+    return out / "oracle" / ORACLE_METHOD / f"seed{seed}"
+
+
+# ------------------------------------------------------------------------------------ bundled eval
+
+BUNDLED_METHODS = ("bf16", "nf4", "gnmr-op-10", "prof-op-10")
+BUNDLED_TASKS = "gsm8k,wikitext"
+
+
+def bundled_routes(kind: str, served_modules: list[str]) -> dict[str, tuple[str, list[str] | None]]:
+    """Route -> (precision, skip_modules) of the base the adapter is scored on with the bundled eval:
+    served = NF4 with the served set unquantised (stock ``llm_int8_skip_modules``), merged = BF16."""
+    from gnmr_hf.profile import skip_modules
+
+    if kind == "bf16":
+        return {"merged": ("bf16", None)}  # served on BF16 is the same base
+    served = ("nf4", skip_modules(served_modules)) if served_modules else ("nf4", None)
+    return {"served": served, "merged": ("bf16", None)}
+
+
+def bundled(args: argparse.Namespace) -> None:
+    """Train ``--methods`` once more at ``--seed`` keeping the adapters, and score them with the bundled
+    lm-eval script on the offline eval set (GSM8K-style EM, WikiText word perplexity) on both routes."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import finetune
+
+    from gnmr_hf.evaluation.evaluate import evaluate
+    from gnmr_hf.offline.eval_data import write_eval_data
+
+    out = Path(args.out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    data_dir = out / "eval_data"
+    if not (data_dir / "gsm8k" / "test.jsonl").is_file():
+        write_eval_data(data_dir)
+    model_path = finetune.resolve_model_path(finetune.load_config(["--config", str(RECIPE)]).script.model)
+    prof = json.loads((out / "profile_full.json").read_text()) if (out / "profile_full.json").is_file() else None
+    full_names = {u["name"]: u["modules"] for u in prof["units"]} if prof else {}
+    for method in args.methods.split(","):
+        kind, _ = parse_method(method)
+        run_dir = out / "bundled" / method / f"seed{args.seed}"
+        if not (run_dir / "result.json").is_file():
+            if not nf4_bench._claim(run_dir):
+                print(f"{method}: another process holds {run_dir}; skipped", flush=True)
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] training {method} seed {args.seed} (adapter kept)", flush=True)
+            cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(args.seed), "--out", str(run_dir),
+                   "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
+                   "--data-dir", str(out / "data"), "--save-adapter", str(run_dir / "adapter")]
+            with open(run_dir / "log.txt", "a") as log:
+                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            (run_dir / "run.lock").unlink(missing_ok=True)
+            if rc != 0:
+                print(f"  {method} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+                continue
+        result = json.loads((run_dir / "result.json").read_text())
+        served = [m for name in result["planned"] for m in full_names[name]] if kind not in DYNAMIC else []
+        if kind not in DYNAMIC and result["planned"] and not full_names:
+            raise SystemExit("profile_full.json is missing: run the profile first")
+        for route, (precision, skips) in bundled_routes(kind, served if kind != "bf16" else []).items():
+            target = run_dir / f"eval_{route}.json"
+            if target.is_file():
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] eval {method} {route}: {precision}"
+                  + (f" + {len(skips) - 1} linears unquantised" if skips else ""), flush=True)
+            evaluate(str(model_path), BUNDLED_TASKS, adapter=run_dir / "adapter", precision=precision,
+                     skip_modules=skips, data_dir=data_dir, limit=args.limit, num_fewshot=0, batch_size=8,
+                     max_gen_toks=128, compute_dtype="float32", resume_dir=run_dir / "eval" / route,
+                     output=target, method=f"{method} {route}", bootstrap_iters=0)
+
+
+def bundled_table(out: Path) -> list[str]:
+    """The bundled-eval rows, one per (method, route) scored."""
+    lines = []
+    for path in sorted((out / "bundled").glob("*/seed*/eval_*.json")):
+        s = json.loads(path.read_text())["summary"]
+        result = json.loads((path.parent / "result.json").read_text())
+        plan_r = out / result["method"] / f"seed{result['seed']}" / "result.json"
+        same = ""
+        if plan_r.is_file():
+            ref = json.loads(plan_r.read_text())
+            same = f"{abs(ref['heldout_loss_merged'] - result['heldout_loss_merged']):.1e}"
+        route = path.stem.removeprefix("eval_")
+        lines.append(f"| {result['method']} | {route} | {s.get('gsm8k_em')} | {s.get('wikitext_word_ppl')} | "
+                     f"{result['heldout_loss_' + ('served' if route == 'served' else 'merged')]:.4f} | {same} |")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -407,7 +586,15 @@ def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tupl
     return runs
 
 
+def _run_dir(out: Path, method: str, seed: int) -> Path:
+    if method.startswith("oracle:"):
+        return oracle_dir(out, seed)
+    return out / method / f"seed{seed}"
+
+
 def needs_profile(method: str) -> bool:
+    if method.startswith("oracle:"):
+        return False
     return parse_method(method)[0] in ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
 
 
@@ -417,6 +604,8 @@ def plan(args: argparse.Namespace) -> None:
     for m in methods:
         parse_method(m)
     runs = plan_runs(seeds, methods)
+    if args.oracle_every:  # last: the oracle diagnostic on one GNMR run (its probes double the run's cost)
+        runs.append(("oracle:" + ORACLE_METHOD, 0))
     out = Path(args.out)
     if args.workers > 1 and not args.worker:
         procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(w)])
@@ -425,7 +614,7 @@ def plan(args: argparse.Namespace) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     failed: set[tuple[str, int]] = set()
     while True:
-        pending = [r for r in runs if not (out / r[0] / f"seed{r[1]}" / "result.json").is_file() and r not in failed]
+        pending = [r for r in runs if not (_run_dir(out, *r) / "result.json").is_file() and r not in failed]
         if not pending:
             break
         took = False
@@ -444,12 +633,15 @@ def plan(args: argparse.Namespace) -> None:
                 continue
         ready = [r for r in pending if not needs_profile(r[0]) or profile_path(out).is_file()]
         for method, seed in ready:
-            run_dir = out / method / f"seed{seed}"
+            run_dir = _run_dir(out, method, seed)
             if not nf4_bench._claim(run_dir):
                 continue
             took = True
-            cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(seed), "--out", str(run_dir),
-                   "--steps", str(args.steps), "--eval-problems", str(args.eval_problems), "--data-dir", str(out / "data")]
+            cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
+                   "--out", str(run_dir), "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
+                   "--data-dir", str(out / "data")]
+            if method.startswith("oracle:"):
+                cmd += ["--oracle-every", str(args.oracle_every)]
             print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
                   f"seed {seed}", flush=True)
             with open(run_dir / "log.txt", "a") as log:
@@ -517,6 +709,26 @@ def report(args: argparse.Namespace) -> str:
             med([r["heldout_loss_merged"] for r in rs]), med(gap_closed(runs, m, "merged"), ".2f"),
             med([r["step_s_median"] for r in rs], ".2f"),
         ]) + " |")
+    if (oracle_dir(out) / "result.json").is_file():
+        r = json.loads((oracle_dir(out) / "result.json").read_text())
+        scores = ([u["score"] for u in json.loads(profile_path(out).read_text())["units"]]
+                  if profile_path(out).is_file() else None)
+        lines += ["", f"Oracle at operator grain ({r['method']} seed {r['seed']}, {len(r['oracle_rows'])} measured steps, "
+                  f"every {r['oracle_every']}): per step, every linear's recovery gap (LoRA gradient all-NF4 vs "
+                  f"all-BF16, relative); the oracle set fills the {r['budget_pct']} % byte budget greedily by gap "
+                  "per byte. Means over the measured steps.", "",
+                  "| trigger | steps | precision | recall | bytes recall | gap captured | oracle captures |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in oracle_table(r, scores):
+            lines.append(f"| {row['trigger']} | {row['steps']} | {row['precision']:.3f} | {row['recall']:.3f} | "
+                         f"{row['bytes_recall']:.3f} | {row['captured']:.3f} | {row['oracle_captured']:.3f} |")
+    bundled_rows = bundled_table(out)
+    if bundled_rows:
+        lines += ["", f"Bundled eval (gnmr_hf.evaluation on the offline set: {BUNDLED_TASKS}; zero-shot, 24 documents, "
+                  "FP32, batches of 8), seed 0 retrained with its adapter kept; the held-out loss of that run, and "
+                  "how far it is from the table's run of the same seed (merged route).", "",
+                  "| method | route | GSM8K EM | WikiText word PPL | held-out loss | vs table run |",
+                  "|---|---|---|---|---|---|", *bundled_rows]
     text = "\n".join(lines)
     if args.plot:
         plot(runs, args.plot)
@@ -569,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--data-dir", default=None)
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--save-adapter", default=None, help="save the trained LoRA adapter (PEFT files) here")
+    r.add_argument("--oracle-every", type=int, default=0,
+                   help="measure every unit's recovery gap on every K-th step's batch (the oracle diagnostic)")
     pl = sub.add_parser("plan", help="every run, resumable")
     for q in (r, pl):
         q.add_argument("--steps", type=int, default=30)
@@ -579,6 +794,15 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--profile-batches", type=int, default=2)
     pl.add_argument("--workers", type=int, default=1)
     pl.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    pl.add_argument("--oracle-every", type=int, default=2,
+                    help=f"after the table: {ORACLE_METHOD} seed 0 with the oracle probe every K steps (0: none)")
+    bd = sub.add_parser("bundled", help="retrain --methods with the adapter kept and score them with the bundled eval")
+    bd.add_argument("--out", required=True)
+    bd.add_argument("--methods", default=",".join(BUNDLED_METHODS))
+    bd.add_argument("--seed", type=int, default=0)
+    bd.add_argument("--limit", type=int, default=24)
+    bd.add_argument("--steps", type=int, default=30)
+    bd.add_argument("--eval-problems", type=int, default=48)
     pf = sub.add_parser("profile", help="the sensitivity profile the planned methods use")
     pf.add_argument("--out", required=True)
     pf.add_argument("--batches", type=int, default=2)
@@ -592,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         plan(args)
     elif args.cmd == "profile":
         make_profile(Path(args.out), args.batches)
+    elif args.cmd == "bundled":
+        bundled(args)
     else:
         print(report(args))
     return 0

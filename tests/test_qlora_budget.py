@@ -116,3 +116,68 @@ def test_served_route_keeps_the_fixed_part_only():
     assert qb.served_units("bf16", [0, 1]) == [0, 1] and qb.served_units("nf4", []) == []
     for kind in ("gnmr-op", "gnmr-layer", "rand-step"):
         assert qb.served_units(kind, [5]) == []
+
+
+def test_oracle_set_fills_the_bytes_by_gap_per_byte():
+    ub = [1, 2, 4, 1]
+    # gap per byte: 0.2, 0.45, 0.25, 0.1 -> order 1, 2, 0, 3; budget 3 bytes: 1 (2 bytes), 2 does not fit, 0 (3)
+    assert qb.oracle_set([0.2, 0.9, 1.0, 0.1], ub, 3) == [0, 1]
+    # a zero gap is never in the oracle set, even with bytes to spare
+    assert qb.oracle_set([0.0, 0.9, 0.0, 0.0], ub, 8) == [1]
+    # ties per byte: the lower index first
+    assert qb.oracle_set([0.5, 1.0, 0.0, 0.5], ub, 1) == [0]
+
+
+def test_oracle_scores_by_hand():
+    ub, gaps = [1, 2, 4, 1], [0.2, 0.9, 1.0, 0.1]  # total 2.2; oracle at 3 bytes: {0, 1}, 1.1 of the gap
+    s = qb.oracle_scores(gaps, [1, 3], ub, 3)
+    assert s["precision"] == 0.5 and s["recall"] == 0.5
+    assert s["bytes_recall"] == pytest.approx(2 / 3)  # unit 1's 2 bytes of the oracle's 3
+    assert s["captured"] == pytest.approx(1.0 / 2.2) and s["oracle_captured"] == pytest.approx(1.1 / 2.2)
+    empty = qb.oracle_scores(gaps, [], ub, 3)
+    assert empty["precision"] != empty["precision"] and empty["recall"] == 0.0  # NaN: nothing chosen
+
+
+def test_oracle_table_on_a_fake_run():
+    # 1 layer x 7 ops, 1 byte each (total 7; 30 % = 2 bytes); three measured steps
+    ub = [1] * 7
+    rows = [{"step": 1, "gaps": [0, 0, 3, 2, 0, 0, 1], "active": []},
+            {"step": 3, "gaps": [0, 0, 3, 2, 0, 0, 1], "active": [2, 3]},
+            {"step": 5, "gaps": [5, 0, 0, 0, 0, 0, 5], "active": [2, 3]}]
+    result = {"method": "gnmr-op-30", "budget_pct": 30, "unit_bytes": ub, "oracle_rows": rows}
+    scores = [0, 0, 0, 0, 0, 0.5, 1.0]  # the plan: ops 6 and 5
+    table = {r["trigger"]: r for r in qb.oracle_table(result, scores)}
+    # as run: step 1 nothing (recall 0), step 3 the oracle set {2, 3} (1), step 5 neither of {0, 6} (0)
+    run = table["gnmr-op-30 (as run)"]
+    assert run["steps"] == 3 and run["recall"] == pytest.approx(1 / 3)
+    assert run["captured"] == pytest.approx((0 + 5 / 6 + 0) / 3)
+    assert run["precision"] == pytest.approx(0.5)  # NaN at step 1 left out: mean of 1 and 0
+    plan = table["profile plan (prof-op-30)"]  # {5, 6}: the oracle holds 6 only at step 5 ({0, 6})
+    assert plan["recall"] == pytest.approx((0 + 0 + 0.5) / 3)
+    prev = table["previous measured step's oracle"]  # steps 3 and 5, with steps 1 and 3's oracle {2, 3}
+    assert prev["steps"] == 2 and prev["recall"] == pytest.approx(0.5)
+    rand = table["random operators (mean of 20 fixed sets)"]
+    assert rand["steps"] == 3 * 20 and 0 <= rand["recall"] <= 1
+    assert all(r["oracle_captured"] == pytest.approx((5 / 6 + 5 / 6 + 1) / 3) for r in table.values() if r["steps"] == 3)
+
+
+def test_plan_ends_with_the_oracle_run_in_its_own_folder(tmp_path):
+    assert qb._run_dir(tmp_path, "oracle:gnmr-op-10", 0) == tmp_path / "oracle" / "gnmr-op-10" / "seed0"
+    assert qb._run_dir(tmp_path, "prof-op-10", 1) == tmp_path / "prof-op-10" / "seed1"
+    assert not qb.needs_profile("oracle:gnmr-op-10")
+    # the oracle run is not a table row: collect() reads <method>/seed*/ only
+    d = qb.oracle_dir(tmp_path)
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps({"method": "gnmr-op-10", "seed": 0}))
+    assert qb.collect(tmp_path) == {}
+
+
+def test_bundled_routes():
+    from gnmr_hf.profile import skip_modules
+
+    assert qb.bundled_routes("bf16", []) == {"merged": ("bf16", None)}
+    assert qb.bundled_routes("nf4", []) == {"served": ("nf4", None), "merged": ("bf16", None)}
+    mods = ["model.layers.3.self_attn.v_proj"]
+    routes = qb.bundled_routes("prof-op", mods)
+    assert routes["served"] == ("nf4", skip_modules(mods)) and "lm_head" in routes["served"][1]
+    assert routes["served"][1][-1] == mods[0]
