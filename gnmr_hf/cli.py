@@ -10,7 +10,7 @@ import importlib
 import sys
 
 _COMMANDS = {
-    "demo": ("gnmr_hf.demo", "train bf16 + int8 + gnmr (or --low nf4: bf16 + nf4 + gnmr-nf4) SmolLM2 recipes, "
+    "demo": ("gnmr_hf.demo", "train bf16 + int8 + gnmr (or --low nf4: bf16 + nf4 + planned-nf4) SmolLM2 recipes, "
                              "evaluate, compare, plot"),
     "eval": ("gnmr_hf.evaluation.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
     "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),

@@ -3,7 +3,9 @@
 1. checks that everything it needs is installed (and says what to install if not);
 2. runs three SmolLM2-135M-Instruct recipes as ``accelerate launch recipes/finetune.py`` subprocesses:
    with ``--low int8`` (the default) ``recipes/smollm2-135m/{bf16,int8,gnmr}.yaml``, with ``--low nf4``
-   ``{bf16,nf4,gnmr-nf4}.yaml`` (plain QLoRA against NF4 + GNMR-switched BF16 recovery); a run whose
+   ``{bf16,nf4,planned-nf4}.yaml`` (plain QLoRA against NF4 + the linears a sensitivity profile plans at
+   10 % extra BF16 bytes; ``--precisions bf16,nf4,gnmr-nf4`` runs the paper's controller instead,
+   ``hybrid-nf4`` both); a run whose
    outputs are complete is skipped, so an interrupted demo resumes where it stopped and the two
    comparisons share their bf16 run. The recipes come with the package (``gnmr_hf/recipes`` in a
    wheel, ``recipes/`` in a clone);
@@ -36,9 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-# --low: the fixed low-cost path and its GNMR-controlled counterpart, each against the BF16 reference
-LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "gnmr-nf4")}
-GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
+# --low: the fixed low-cost path and its recovered counterpart, each against the BF16 reference. On NF4 the
+# planned set (a profile's 10 % of extra BF16 bytes) is the default: under LoRA the 4-bit error is static,
+# and the plan closed about half the gap where GNMR and random linears closed about a tenth
+# (docs/qlora_budget.md); gnmr-nf4 (the paper's controller) and hybrid-nf4 are one --precisions away
+LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "planned-nf4")}
+LOW_CHOICES = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "planned-nf4", "gnmr-nf4", "hybrid-nf4")}
+GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")  # the paper's controller over decoder layers: a GNMR heat map
+CALLBACK_RUNS = (*GNMR_PRECISIONS, "planned-nf4", "hybrid-nf4")  # runs that write gnmr_trace.jsonl
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # the demo's size (docs/recipes.md, "Measured"): the recipes' 60 steps of 2 problems instead of 4, and 24
@@ -100,7 +107,7 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,
     """Whether ``run_dir`` holds a finished run (run.json last, adapter, loss log, trace for gnmr), of
     ``max_steps`` steps of ``batch_size`` examples, computed in ``compute_dtype``, where those are given."""
     needed = ["run.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
-    if precision in GNMR_PRECISIONS:
+    if precision in CALLBACK_RUNS:
         needed += ["gnmr_trace.jsonl", "gnmr_summary.json"]
     if not all((run_dir / n).is_file() for n in needed):
         return False
@@ -169,6 +176,7 @@ def comparison_rows(out: Path, precisions: list[str], evals: dict[str, dict[str,
             "peak_memory_mib": record["peak_memory_bytes"] / 2**20,
             "promotion_ratio": summary.get("promotion_ratio"),
             "compute_dtype": (record.get("config") or {}).get("script", {}).get("compute_dtype"),
+            "plan": (record.get("profile") or {}).get("plan"),
             **evals.get(p, {}),
         })
     return rows
@@ -199,6 +207,14 @@ def settings_lines(rows: list[dict[str, Any]], dtype: str, reason: str, eval_set
     if len(trained) > 1:
         each = ", ".join(f"{r['run']} {r['compute_dtype']}" for r in rows if r.get("compute_dtype"))
         lines[0] += f" The runs differ: {each}."
+    for r in rows:
+        plan = r.get("plan")
+        if plan:
+            lines.append(f"{r['run']}: {len(plan.get('indices') or [])} linears kept on BF16 "
+                         f"({100 * plan['bytes'] / plan['total_bytes']:.1f} % extra bytes over the quantised weights' "
+                         f"BF16 size), planned by a {plan['criterion']} profile of the first training batches "
+                         f"({plan.get('profile_seconds', 0):.0f} s); its profile.json holds the llm_int8_skip_modules "
+                         "list that serves the same mixed base with stock transformers.")
     if eval_settings:
         lines.append(f"Evaluation: {eval_settings}.")
     return lines
@@ -256,7 +272,8 @@ class PhaseTimer:
 
 EPILOG = """examples:
   gnmr-hf demo                         bf16, int8, gnmr: train, evaluate, compare, plot (into ./gnmr-demo)
-  gnmr-hf demo --low nf4               bf16, nf4 (QLoRA), gnmr-nf4 (shares the bf16 run with the above)
+  gnmr-hf demo --low nf4               bf16, nf4 (QLoRA), planned-nf4 (shares the bf16 run with the above)
+  gnmr-hf demo --low nf4 --precisions bf16,nf4,gnmr-nf4        the paper's controller on NF4 instead
   gnmr-hf demo --threads 1             one torch thread per process: faster on a machine busy with other jobs
   gnmr-hf demo --tasks gsm8k,wikitext --eval-limit 20          fewer tasks and documents
   gnmr-hf demo --train-batch-size 4 --eval-limit 40            the recipes' batch, more documents (~2x longer)
@@ -274,9 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gnmr-demo", help="output folder (default: ./gnmr-demo)")
     p.add_argument("--low", default="int8", choices=tuple(LOW_PATHS),
-                   help="the low-cost path: int8 runs bf16, int8, gnmr; nf4 runs bf16, nf4, gnmr-nf4 (default int8)")
+                   help="the low-cost path: int8 runs bf16, int8, gnmr; nf4 runs bf16, nf4, planned-nf4 (default int8)")
     p.add_argument("--precisions", default=None,
-                   help="a subset of the --low comparison's recipes, comma-separated (default: all three)")
+                   help="the --low comparison's recipes, comma-separated (default: its three; nf4 also takes "
+                        "gnmr-nf4, the paper's controller, and hybrid-nf4)")
     p.add_argument("--max-steps", type=int, default=MAX_STEPS,
                    help=f"training steps of each recipe (default {MAX_STEPS}, the recipes' own)")
     p.add_argument("--train-batch-size", type=int, default=TRAIN_BATCH_SIZE,
@@ -344,8 +362,8 @@ def _run(args: argparse.Namespace) -> int:
     cmds = missing_requirements()
     if cmds:
         raise DemoError("missing packages; install them with: " + " && ".join(cmds))
-    choices = LOW_PATHS[args.low]
-    precisions = list(choices) if args.precisions is None else [
+    choices = LOW_CHOICES[args.low]
+    precisions = list(LOW_PATHS[args.low]) if args.precisions is None else [
         p.strip() for p in args.precisions.split(",") if p.strip()]
     bad = [p for p in precisions if p not in choices]
     if bad or not precisions:

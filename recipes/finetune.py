@@ -210,7 +210,8 @@ class GNMRArguments:
                 "monitor": self.monitor}
 
 
-PROFILE_POLICIES = ("static", "hybrid")
+# gnmr: the paper's controller over decoder layers (the gnmr block), no profile: the rest of the block is inert
+PROFILE_POLICIES = ("static", "hybrid", "gnmr")
 BLOCKS = ("gnmr", "profile")  # the config file's nested blocks (merged key by key through include:)
 
 
@@ -229,7 +230,8 @@ class ProfileArguments:
         policy (`str`): ``static``: the planned set on BF16 at every step (``gnmr_hf.StaticPolicy``);
             ``hybrid``: the planned set within ``1 - gnmr_share`` of the budget, and GNMR (the ``gnmr:``
             block's thresholds, locks and window) over the other linears with the rest
-            (``gnmr_hf.HybridPolicy``).
+            (``gnmr_hf.HybridPolicy``); ``gnmr``: no profile at all, the paper's controller over decoder
+            layers as the ``gnmr:`` block configures it (the run is the plain gnmr / gnmr-nf4 recipe's).
         gnmr_share (`float`): hybrid: the share of the budget GNMR gets.
         given (`dict[str, str]`): the keys set in a file or on the command line, and where.
     """
@@ -268,8 +270,9 @@ class ProfileArguments:
             out.batches = block["batches"]
         if "policy" in block:
             if block["policy"] not in PROFILE_POLICIES:
-                raise RecipeError(f"profile.policy must be static or hybrid, got {block['policy']!r}")
+                raise RecipeError(f"profile.policy must be static, hybrid or gnmr, got {block['policy']!r}")
             out.policy = block["policy"]
+            out.enabled = out.policy != "gnmr"  # gnmr: no profile, the paper's controller exactly
         if "gnmr_share" in block:
             share = block["gnmr_share"]
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:

@@ -23,7 +23,7 @@ def _finished_run(run: Path, max_steps: int = 60, trace: bool = True) -> None:
     (run / "run.json").write_text(json.dumps({"status": "complete", "config": {"training": {"max_steps": max_steps}}}))
 
 
-@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4"])
+@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4", "planned-nf4", "hybrid-nf4"])
 def test_run_complete_needs_every_output(tmp_path, precision):
     run = tmp_path / precision
     _finished_run(run)
@@ -36,6 +36,17 @@ def test_run_complete_needs_every_output(tmp_path, precision):
     assert not demo.run_complete(run, "bf16")
     (run / "run.json").write_text("{trunc")
     assert not demo.run_complete(run, "bf16")
+
+
+def test_settings_lines_name_the_plan():
+    plan = {"criterion": "first_order", "indices": [3, 9, 40], "bytes": 25, "total_bytes": 1000,
+            "profile_seconds": 12.4}
+    rows = [{"run": "nf4", "compute_dtype": "bfloat16"},
+            {"run": "planned-nf4", "compute_dtype": "bfloat16", "plan": plan}]
+    lines = demo.settings_lines(rows, "bfloat16", "auto: test", None)
+    assert lines[1].startswith("planned-nf4: 3 linears kept on BF16 (2.5 % extra bytes over the quantised weights' "
+                               "BF16 size), planned by a first_order profile of the first training batches (12 s)")
+    assert len(demo.settings_lines(rows[:1], "bfloat16", "auto: test", None)) == 1  # no plan, no line
 
 
 def test_train_test_overlap(tmp_path):
@@ -67,13 +78,17 @@ def test_train_command_uses_the_low_paths_recipe(tmp_path):
     assert config == str(recipes / "smollm2-135m" / "gnmr-nf4.yaml") and Path(config).is_file()
     assert cmd[-2:] == ["--max_steps", "2"] and cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "run")
     for low, runs in demo.LOW_PATHS.items():
-        assert runs[0] == "bf16" and runs[1] == low  # the reference, the fixed low path, then GNMR on it
-        assert all((recipes / "smollm2-135m" / f"{p}.yaml").is_file() for p in runs)
+        assert runs[0] == "bf16" and runs[1] == low  # the reference, the fixed low path, then its recovery
+        assert set(runs) <= set(demo.LOW_CHOICES[low])
+        assert all((recipes / "smollm2-135m" / f"{p}.yaml").is_file() for p in demo.LOW_CHOICES[low])
+    # NF4: the planned set by default, the paper's controller one --precisions away
+    assert demo.LOW_PATHS["nf4"][2] == "planned-nf4" and "gnmr-nf4" in demo.LOW_CHOICES["nf4"]
 
 
 def test_bad_precision_for_the_low_path(tmp_path, capsys):
     assert demo.main(["--out", str(tmp_path), "--low", "nf4", "--precisions", "bf16,int8"]) == 2
-    assert "unknown precision(s) int8 for --low nf4; choose from bf16, nf4, gnmr-nf4" in capsys.readouterr().err
+    assert ("unknown precision(s) int8 for --low nf4; choose from bf16, nf4, planned-nf4, gnmr-nf4, hybrid-nf4"
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--low", "fp4"])
 

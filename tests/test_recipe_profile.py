@@ -30,9 +30,22 @@ def test_planned_and_hybrid_recipes_parse_and_merge_the_block_key_by_key():
     assert llama.profile.enabled and llama.script.precision == "gnmr-nf4"
 
 
+def test_policy_gnmr_is_the_papers_controller_one_line_away():
+    # planned-nf4.yaml with policy: gnmr is gnmr-nf4.yaml: no profile, the same gnmr block, decoder layers
+    planned = finetune.validate(finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"),
+                                                      "--profile.policy", "gnmr", "--output_dir", "x"]))
+    paper = finetune.validate(finetune.load_config(["--config", str(SMOL / "gnmr-nf4.yaml"), "--output_dir", "x"]))
+    assert not planned.profile.enabled and planned.profile.policy == "gnmr"
+    assert planned.script == paper.script and planned.lora == paper.lora
+    assert planned.gnmr.to_dict() == paper.gnmr.to_dict()
+    assert planned.training.to_dict() == paper.training.to_dict()
+    static = finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml")])
+    assert static.profile.enabled and static.profile.policy == "static"  # the shipped default
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--profile.budget", "lots"], r"profile\.budget 'lots' is not a percentage"),
-    (["--profile.policy", "dynamic"], r"profile\.policy must be static or hybrid, got 'dynamic'"),
+    (["--profile.policy", "dynamic"], r"profile\.policy must be static, hybrid or gnmr, got 'dynamic'"),
     (["--profile.batches", "0"], r"profile\.batches must be an integer >= 1, got 0"),
     (["--profile.gnmr_share", "1.5"], r"profile\.gnmr_share must be a number in \(0, 1\)"),
     (["--profile.criterion", "magic"], r"profile\.criterion must be one of .*first_order"),

@@ -257,14 +257,20 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     out = tmp_path / "demo"
     # the installed console script, next to this interpreter
     cmd = [str(Path(sys.executable).parent / "gnmr-hf"), "demo", "--out", str(out), "--low", "nf4", "--precisions",
-           "gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
+           "planned-nf4,gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
            "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64",
            "--set", "compute_dtype=float32"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
     rows = json.loads((out / "summary_nf4.json").read_text())
-    assert [r["run"] for r in rows] == ["base (no fine-tune)", "gnmr-nf4"]
-    base, gnmr = rows
+    assert [r["run"] for r in rows] == ["base (no fine-tune)", "planned-nf4", "gnmr-nf4"]
+    base, planned, gnmr = rows
+    # the planned run: its plan in run.json and named under the table, its profile.json beside the adapter
+    plan = json.loads((out / "planned-nf4" / "run.json").read_text())["profile"]["plan"]
+    assert planned["plan"] == plan and plan["indices"] and plan["bytes"] <= plan["budget_bytes"]
+    assert json.loads((out / "planned-nf4" / "profile.json").read_text())["skip_modules"]
+    assert f"planned-nf4: {len(plan['indices'])} linears kept on BF16" in (out / "summary_nf4.md").read_text()
+    assert planned["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]
     record = json.loads((out / "gnmr-nf4" / "run.json").read_text())
     assert gnmr["steps"] == 2 and gnmr["final_loss"] == record["final_loss"]
     assert gnmr["promotion_ratio"] == record["gnmr_summary"]["summary"]["promotion_ratio"]
@@ -280,7 +286,8 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     mtime = (out / "gnmr-nf4" / "run.json").stat().st_mtime
     second = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert second.returncode == 0, second.stderr[-4000:]
-    assert "[demo] train gnmr-nf4 (1/1): complete in" in second.stdout and "kept" in second.stdout
+    assert "[demo] train gnmr-nf4 (2/2): complete in" in second.stdout and "kept" in second.stdout
+    assert "[demo] train planned-nf4 (1/2): complete in" in second.stdout
     # every task of the adapter's evaluation is read back from its earlier result, none scored again
     assert "[demo] eval gnmr-nf4" in second.stdout
     assert "gnmr-hf eval: wikitext (1/1): read from" in second.stderr + second.stdout
