@@ -1148,12 +1148,27 @@ _LOW = ("nf4", "fp4", "int8")
 _TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 
 
+PROFILE_EPILOG = """examples:
+  gnmr-hf profile --output prof                              SmolLM2, NF4, the recipes' data, 10 % budget
+  gnmr-hf profile --model PATH --low nf4 --budget 300MB --data train.jsonl --output prof
+  gnmr-hf profile --output prof --criterion first_order,loss --heldout-batches 2   compare criteria
+  gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter ADAPTER
+                                                             score an adapter on the planned mixed base
+
+In Python: BitsAndBytesConfig(load_in_4bit=True, ..., llm_int8_skip_modules=json.load(open("prof/profile.json"))
+["skip_modules"]) loads that base with stock transformers. Errors are one line on stderr and exit code 2.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from gnmr_hf.reporting.report import OneLineErrorParser
+
+    p = OneLineErrorParser(
         prog="gnmr-hf profile",
         description="Profile which quantised linears are worth keeping on BF16 (a few batches of the training "
                     "data, before training) and plan a byte budget: prints the price table, writes "
-                    "DIR/profile.json (skip_modules, units) and DIR/profile.png.")
+                    "DIR/profile.json (skip_modules, units) and DIR/profile.png.",
+        epilog=PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
     p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")

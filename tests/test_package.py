@@ -207,10 +207,11 @@ LAYERS = {
     "trainer": {"trainer", "core", "backends", "units", "_import_utils"},
     "reporting": {"reporting", "_import_utils"},
     "offline": {"offline", "_import_utils"},
-    "evaluation": {"evaluation", "reporting", "offline", "hardware", "_import_utils"},
+    # backends: an NF4 base keeps bitsandbytes' reference layout, as the recipes train it
+    "evaluation": {"evaluation", "reporting", "offline", "hardware", "backends", "_import_utils"},
     "hardware": set(),
-    # the profile's CLI finds the shipped recipes through the demo's finder
-    "profile": {"profile", "units", "backends", "core", "offline", "demo", "_import_utils"},
+    # the profile's CLI finds the shipped recipes through the demo's finder, and parses as the other commands
+    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils"},
 }
 
 
