@@ -32,3 +32,27 @@ def require(module: str, feature: str) -> None:
             f"{feature} needs the '{module}' package, which is not installed. "
             f"Install it with: pip install 'gnmr_hf[{extra}]'"
         )
+
+
+# loggers whose import-time messages say nothing a user of this package can act on
+_IMPORT_NOISE = ("torch.utils._pytree",)  # "<enum ...> is an Enum subclass ... register_constant() is deprecated"
+_CUDA_ONLY_NOISE = ("torchao",)  # "Failed to load .../torchao/_C_mxfp8...so": CUDA kernels, absent on a CPU build
+
+
+def quiet_import_noise() -> None:
+    """For the command-line entry points (gnmr-hf, recipes/finetune.py): raise the level of the loggers
+    that print messages at import time which a CPU user cannot act on (torchao's missing CUDA kernels,
+    without CUDA; torch's pytree deprecation notes) to ERROR. Nothing else changes."""
+    import logging
+
+    for name in _IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        for name in _CUDA_ONLY_NOISE:
+            logging.getLogger(name).setLevel(logging.ERROR)

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gnmr-hf: unknown command {name!r}; choose one of {', '.join(_COMMANDS)} (gnmr-hf --help)",
               file=sys.stderr)
         return 2
+    from gnmr_hf._import_utils import quiet_import_noise
+
+    quiet_import_noise()
     module = importlib.import_module(_COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -895,6 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         RecipeParser().print_help()
         return 0
+    from gnmr_hf._import_utils import quiet_import_noise
+
+    quiet_import_noise()
     try:
         run(load_config(argv))
     except (RecipeError, ImportError) as e:  # gnmr_hf's require() names the extra to install

@@ -248,3 +248,22 @@ def test_package_layers_import_only_what_they_may():
     assert bad == []
     # the checker sees both kinds of import: the trainer reaches the core at the top of callback.py
     assert "core" in _gnmr_imports(root / "trainer" / "callback.py")
+
+
+def test_entry_points_quiet_the_import_noise_of_torchao_on_a_cpu():
+    # torchao (imported by transformers' loaders) logs its missing CUDA kernels and torch's pytree
+    # deprecation notes at import; gnmr-hf and recipes/finetune.py raise those loggers to ERROR
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the torchao messages stay")
+    pytest.importorskip("torchao")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    loud = subprocess.run([sys.executable, "-c", "import torchao"], capture_output=True, text=True, env=env)
+    quiet = subprocess.run([sys.executable, "-c", "from gnmr_hf._import_utils import quiet_import_noise; "
+                            "quiet_import_noise(); import torchao"], capture_output=True, text=True, env=env)
+    assert loud.returncode == quiet.returncode == 0
+    if "Failed to load" not in loud.stderr and "Enum subclass" not in loud.stderr:
+        pytest.skip("this torchao build prints nothing at import")
+    assert "Failed to load" not in quiet.stderr and "Enum subclass" not in quiet.stderr
+    root = Path(__file__).resolve().parents[1]
+    for path in ("gnmr_hf/cli.py", "recipes/finetune.py"):
+        assert "quiet_import_noise()" in (root / path).read_text()
