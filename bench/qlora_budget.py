@@ -12,7 +12,7 @@ method                  linears on the BF16 path
 ======================  ==========================================================================================
 ``nf4``                 none (plain QLoRA)
 ``bf16``                all (BF16 LoRA)
-``loftq``               none; LoRA initialised by LoftQ (PEFT's own, bench/loftq_cpu.py), 0 extra bytes
+``loftq``               none; LoRA initialised by LoftQ (PEFT's own, gnmr_hf.loftq), 0 extra bytes
 ``prof-op-B``           the profiled plan: greedy by first-order gain per byte (gnmr_hf.profile), fixed
 ``prof-layer-B``        the same profile summed per decoder layer, whole layers greedy per byte, fixed
 ``rand-op-B``           a seeded random set of linears filling B, fixed for the run
@@ -330,12 +330,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         callback_units = [n for n, _ in layers]
         policy = GNMRController(len(layers), GNMRConfig(**{**gnmr_cfg.to_dict(), "max_active": k}))
     if kind.startswith("loftq"):
-        from loftq_cpu import replace_lora_weights_loftq_cpu
+        from gnmr_hf.loftq import replace_lora_weights_loftq
 
         keep = {gnmr_hf.units.short_name(units[u][0]) for u in planned}
         t0 = time.perf_counter()
         # LoftQ on the linears that stay NF4; one on BF16 keeps the stock init (no quantisation error there)
-        replace_lora_weights_loftq_cpu(model, model_path,
+        replace_lora_weights_loftq(model, model_path,
                                        callback=lambda _m, name: gnmr_hf.units.short_name(name) not in keep)
         loftq_s = time.perf_counter() - t0
     else:

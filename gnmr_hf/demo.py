@@ -43,9 +43,10 @@ from typing import Any
 # and the plan closed about half the gap where GNMR and random linears closed about a tenth
 # (docs/qlora_budget.md); gnmr-nf4 (the paper's controller) and hybrid-nf4 are one --precisions away
 LOW_PATHS = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "planned-nf4")}
-LOW_CHOICES = {"int8": ("bf16", "int8", "gnmr"), "nf4": ("bf16", "nf4", "planned-nf4", "gnmr-nf4", "hybrid-nf4")}
+LOW_CHOICES = {"int8": ("bf16", "int8", "gnmr"),
+               "nf4": ("bf16", "nf4", "planned-nf4", "gnmr-nf4", "hybrid-nf4", "planned-loftq-nf4")}
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")  # the paper's controller over decoder layers: a GNMR heat map
-CALLBACK_RUNS = (*GNMR_PRECISIONS, "planned-nf4", "hybrid-nf4")  # runs that write gnmr_trace.jsonl
+CALLBACK_RUNS = (*GNMR_PRECISIONS, "planned-nf4", "hybrid-nf4", "planned-loftq-nf4")  # runs that write gnmr_trace.jsonl
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # the demo's size (docs/recipes.md, "Measured"): the recipes' 60 steps of 2 problems instead of 4, and 24

@@ -56,6 +56,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 INT8_PRECISIONS = ("int8", "gnmr")
 NF4_PRECISIONS = ("nf4", "gnmr-nf4")
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
+LORA_INITS = ("default", "loftq")
 # gnmr: keys that only choose which layers go to the recovery path, or where its weights live: a monitor-only
 # run (no dual path, nothing recoverable) never uses them
 SELECTION_KEYS = ("max_active", "lock_steps", "full_recovery_steps", "max_active_bytes", "storage")
@@ -142,6 +143,9 @@ class LoraArguments:
         lora_alpha (`int`): the scaling numerator alpha (the update is scaled by alpha / r).
         lora_dropout (`float`): dropout on the adapter's input.
         lora_target_modules (`list[str]`): names of the linear layers that get an adapter.
+        lora_init (`str`): ``default`` (PEFT's: A random, B = 0) or ``loftq`` (4-bit bases: each pair on a
+            linear that stays quantised starts from the rank-r SVD of its quantisation residual, PEFT's
+            ``replace_lora_weights_loftq`` through ``gnmr_hf.loftq``; a planned linear on BF16 keeps the default).
     """
 
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
@@ -150,6 +154,8 @@ class LoraArguments:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata={"help": "modules that get an adapter"})
+    lora_init: str = field(default="default", metadata={
+        "help": "default (A random, B = 0) or loftq (4-bit bases: LoftQ on the linears that stay quantised)"})
 
 
 @dataclass
@@ -515,6 +521,12 @@ def validate(recipe: Recipe) -> Recipe:
     layers), so run.json records the configuration the callback ran with. Returns ``recipe``.
     """
     precision, gnmr = recipe.script.precision, recipe.gnmr
+    if recipe.lora.lora_init not in LORA_INITS:
+        raise RecipeError(f"lora_init must be one of {', '.join(LORA_INITS)}, got {recipe.lora.lora_init!r}")
+    if recipe.lora.lora_init == "loftq" and precision not in NF4_PRECISIONS:
+        raise RecipeError(f"lora_init: loftq (set {recipe.given.get('lora_init', 'in the recipe')}) needs a 4-bit base "
+                          f"(precision nf4 or gnmr-nf4), not {precision}: LoftQ starts LoRA from the 4-bit "
+                          "quantisation residual")
     if recipe.profile.enabled and precision not in GNMR_PRECISIONS:
         where = next(iter(recipe.profile.given.values()), "in the profile block")
         raise RecipeError(f"profile (set {where}) has no effect with precision {precision}: the planned BF16 linears "
@@ -839,6 +851,17 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     if recipe.profile.enabled:
         policy, planned = planned_policy(recipe, model, train_ds, tokenizer)
         callbacks.append(__import__("gnmr_hf").GNMRCallback(policy=policy))
+    loftq = None
+    if recipe.lora.lora_init == "loftq":
+        # after the plan: its linears run on BF16 (no quantisation residual) and keep the default init
+        from gnmr_hf.loftq import replace_lora_weights_loftq
+
+        t0 = time.time()
+        skip = list((planned or {}).get("modules") or [])
+        replace_lora_weights_loftq(model, model_path, skip=skip)
+        loftq = {"seconds": round(time.time() - t0, 2), "kept_default": len(skip)}
+        if args.process_index == 0:
+            print(f"lora_init: loftq ({loftq['seconds']:.1f} s; {len(skip)} planned linears keep the default init)")
 
     trainer = Trainer(
         model=model,
@@ -879,6 +902,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         }
         if planned is not None:
             record["profile"] = {**recipe.profile.to_dict(), "plan": planned}
+        if loftq is not None:
+            record["loftq"] = loftq
         summary = Path(args.output_dir) / "gnmr_summary.json"
         if summary.is_file():
             record["gnmr_summary"] = json.loads(summary.read_text())

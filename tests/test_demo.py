@@ -23,7 +23,7 @@ def _finished_run(run: Path, max_steps: int = 60, trace: bool = True) -> None:
     (run / "run.json").write_text(json.dumps({"status": "complete", "config": {"training": {"max_steps": max_steps}}}))
 
 
-@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4", "planned-nf4", "hybrid-nf4"])
+@pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4", "planned-nf4", "hybrid-nf4", "planned-loftq-nf4"])
 def test_run_complete_needs_every_output(tmp_path, precision):
     run = tmp_path / precision
     _finished_run(run)
@@ -87,7 +87,8 @@ def test_train_command_uses_the_low_paths_recipe(tmp_path):
 
 def test_bad_precision_for_the_low_path(tmp_path, capsys):
     assert demo.main(["--out", str(tmp_path), "--low", "nf4", "--precisions", "bf16,int8"]) == 2
-    assert ("unknown precision(s) int8 for --low nf4; choose from bf16, nf4, planned-nf4, gnmr-nf4, hybrid-nf4"
+    assert ("unknown precision(s) int8 for --low nf4; choose from bf16, nf4, planned-nf4, gnmr-nf4, hybrid-nf4, "
+            "planned-loftq-nf4"
             in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--low", "fp4"])

@@ -43,6 +43,18 @@ def test_policy_gnmr_is_the_papers_controller_one_line_away():
     assert static.profile.enabled and static.profile.policy == "static"  # the shipped default
 
 
+def test_lora_init_loftq_parses_and_needs_a_4bit_base():
+    r = finetune.validate(finetune.load_config(["--config", str(SMOL / "planned-loftq-nf4.yaml")]))
+    assert (r.lora.lora_init, r.profile.enabled, r.script.precision) == ("loftq", True, "gnmr-nf4")
+    assert finetune.validate(finetune.load_config(["--config", str(SMOL / "nf4.yaml"), "--lora_init", "loftq"]))
+    assert finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml")]).lora.lora_init == "default"
+    for precision in ("bf16", "int8", "gnmr"):
+        with pytest.raises(finetune.RecipeError, match=f"lora_init: loftq .*needs a 4-bit base .*not {precision}"):
+            finetune.validate(finetune.load_config(["--config", str(SMOL / f"{precision}.yaml"), "--lora_init", "loftq"]))
+    with pytest.raises(finetune.RecipeError, match="lora_init must be one of default, loftq, got 'pissa'"):
+        finetune.validate(finetune.load_config(["--config", str(SMOL / "nf4.yaml"), "--lora_init", "pissa"]))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--profile.budget", "lots"], r"profile\.budget 'lots' is not a percentage"),
     (["--profile.policy", "dynamic"], r"profile\.policy must be static, hybrid or gnmr, got 'dynamic'"),
@@ -65,13 +77,19 @@ def test_profile_needs_a_recovery_path(precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["planned-nf4", "hybrid-nf4"])
+@pytest.mark.parametrize("recipe", ["planned-nf4", "hybrid-nf4", "planned-loftq-nf4"])
 def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
     from tests.test_recipes_e2e import _launch, _trace
 
     out = tmp_path / recipe
-    _launch("cpu.yaml", recipe, out, "--profile.budget", "5%")
+    proc = _launch("cpu.yaml", recipe, out, "--profile.budget", "5%")
     record = json.loads((out / "run.json").read_text())
+    if recipe == "planned-loftq-nf4":  # LoftQ after the plan, on every linear the plan left on NF4
+        assert record["config"]["lora"]["lora_init"] == "loftq"
+        assert record["loftq"]["kept_default"] == len(record["profile"]["plan"]["modules"]) > 0
+        assert "lora_init: loftq" in proc.stdout
+    else:
+        assert "loftq" not in record
     assert record["status"] == "complete" and record["global_step"] == 3
     plan = record["profile"]["plan"]
     assert plan["bytes"] <= plan["budget_bytes"] and plan["indices"]
@@ -84,7 +102,7 @@ def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
     for x in lines:
         assert set(plan["indices"]) <= set(x["active"])  # the planned set is on BF16 at every step
         assert x["active_bytes"] <= 0.05 * total + 1
-    if recipe == "planned-nf4":
+    if recipe in ("planned-nf4", "planned-loftq-nf4"):
         assert all(sorted(x["active"]) == sorted(plan["indices"]) for x in lines)
         assert plan["bytes"] <= 0.05 * total
     else:  # the plan takes 3/4 of the budget, GNMR the rest

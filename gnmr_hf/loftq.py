@@ -1,4 +1,7 @@
-"""LoftQ initialisation of a QLoRA adapter on a CPU: PEFT's own code with one line changed.
+"""LoftQ initialisation of a QLoRA adapter, on any device: PEFT's own code with one line changed.
+
+Used by the recipes' ``lora_init: loftq`` (recipes/finetune.py) and bench/qlora_budget.py's ``loftq``
+methods; :func:`replace_lora_weights_loftq` is the entry point.
 
 PEFT 0.21's ``replace_lora_weights_loftq`` (``peft.utils.loftq_utils``) initialises each LoRA pair of a
 bitsandbytes 4-bit model from the SVD of the quantisation residual ``W - dequant(W_4bit)``, but its
@@ -6,11 +9,11 @@ bitsandbytes 4-bit model from the SVD of the quantisation residual ``W - dequant
 
     compute_device = "xpu" if is_xpu_available() else "cuda"
 
-so it fails on a machine without an accelerator. :func:`replace_lora_weights_loftq_cpu` runs PEFT's
+so it fails on a machine without an accelerator. :func:`replace_lora_weights_loftq` runs PEFT's
 ``replace_lora_weights_loftq`` unchanged with ``_loftq_init_new`` rebuilt from PEFT's own source with
 that one line replaced by ``compute_device = qweight.device`` (the device the 4-bit weight is on), for
 the duration of the call. The patch is checked: if PEFT's source no longer has that line, it raises
-instead of guessing (tests/test_loftq_cpu.py also checks that exactly one line differs).
+instead of guessing (tests/test_loftq.py also checks that exactly one line differs).
 
 The 4-bit layers must hold bitsandbytes' reference layout (``keep_reference_layout``): a weight repacked
 for bitsandbytes' CPU inference kernel does not de-quantise with ``dequantize_4bit``.
@@ -62,11 +65,17 @@ def loftq_on_the_weight_device():
         loftq_utils._loftq_init_new = saved
 
 
-def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_name: str = "default",
-                                   account_for_scaling: bool = True, callback: Any = None) -> Any:
-    """PEFT's ``replace_lora_weights_loftq`` on the CPU (see the module docstring). Returns ``peft_model``.
+def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: str = "default",
+                               account_for_scaling: bool = True, callback: Any = None,
+                               skip: Any = None) -> Any:
+    """PEFT's ``replace_lora_weights_loftq`` on the weights' own device (see the module docstring).
+
+    Returns ``peft_model``, its LoRA pairs on 4-bit linears initialised from the rank-r SVD of each
+    linear's quantisation residual ``W - dequant(W_4bit)`` (``W`` read from ``model_path``'s safetensors).
 
     Args:
+        skip: module names (``model.layers.3.self_attn.v_proj``: PEFT's name ends with it at a dot) whose
+            pairs keep their initialisation, e.g. a plan's linears that run on BF16 (no residual there).
         account_for_scaling: PEFT sets ``B A`` to the rank-r residual and ignores LoRA's ``scaling``
             (``lora_alpha / r``), so with ``lora_alpha != r`` the adapter adds ``scaling`` times the
             residual. True (LoftQ's intent): both factors are divided by ``sqrt(scaling)`` afterwards, so
@@ -74,14 +83,22 @@ def replace_lora_weights_loftq_cpu(peft_model: Any, model_path: str, adapter_nam
         callback: PEFT's ``callback(model, module_name) -> bool`` (False rolls that module's LoRA back to
             the weights it had before), e.g. to leave the linears that run in BF16 with the stock init.
     """
-    from peft import replace_lora_weights_loftq
+    from peft import replace_lora_weights_loftq as peft_loftq
     from peft.tuners.lora import Linear4bit
+
+    if skip:
+        names = tuple(str(n) for n in skip)
+        inner = callback
+
+        def callback(model, module_name, _inner=inner):  # noqa: ANN001  (PEFT's callback signature)
+            if any(module_name == n or module_name.endswith("." + n) for n in names):
+                return False  # roll back: keep the pair PEFT had before
+            return True if _inner is None else _inner(model, module_name)
 
     with loftq_on_the_weight_device():
         before = {id(m): m.lora_A[adapter_name].weight.data for m in peft_model.modules()
                   if isinstance(m, Linear4bit) and adapter_name in m.lora_A}
-        replace_lora_weights_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name,
-                                   callback=callback)
+        peft_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name, callback=callback)
     if account_for_scaling:
         for module in peft_model.modules():
             # only the pairs LoftQ replaced (a rolled-back pair holds its old tensors again)

@@ -1,4 +1,4 @@
-"""The LoftQ baseline on a CPU (bench/loftq_cpu.py): PEFT's own LoftQ with one line changed."""
+"""LoftQ on a CPU (gnmr_hf.loftq): PEFT's own LoftQ with one line changed."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import difflib
 import pytest
 import torch
 
-from tests.conftest import load_bench
 from tests.test_dual_path import LINEARS, load, logits
 
 peft = pytest.importorskip("peft")
 bnb = pytest.importorskip("bitsandbytes")
 
-loftq = load_bench("loftq_cpu")
+from gnmr_hf import loftq  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def test_stock_peft_loftq_needs_an_accelerator(tiny_llama_dir):
 def test_loftq_init_is_the_svd_of_the_quantisation_residual(tiny_llama_dir):
     from safetensors import safe_open
 
-    model = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
+    model = loftq.replace_lora_weights_loftq(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
     layer = model.base_model.model.model.layers[2].mlp.down_proj
     with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
         w = f.get_tensor("model.layers.2.mlp.down_proj.weight").float()
@@ -65,7 +64,7 @@ def test_loftq_adapter_brings_the_4bit_model_closer_to_bf16(tiny_llama_dir, ids)
     from peft.utils import loftq_utils
 
     stock = loftq_utils._loftq_init_new
-    init = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=8), tiny_llama_dir)
+    init = loftq.replace_lora_weights_loftq(_qlora(tiny_llama_dir, rank=8), tiny_llama_dir)
     loftq_err = (logits(init, ids) - reference).pow(2).mean()
     assert loftq_err < 0.8 * plain_err, (float(loftq_err), float(plain_err))
     assert loftq_utils._loftq_init_new is stock  # PEFT's module is its own again afterwards
@@ -73,8 +72,8 @@ def test_loftq_adapter_brings_the_4bit_model_closer_to_bf16(tiny_llama_dir, ids)
 
 @pytest.mark.parametrize("account", [True, False])
 def test_scaling_is_accounted_for(tiny_llama_dir, account):
-    plain = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
-    scaled = loftq.replace_lora_weights_loftq_cpu(_qlora(tiny_llama_dir, rank=4, alpha=8), tiny_llama_dir,
+    plain = loftq.replace_lora_weights_loftq(_qlora(tiny_llama_dir, rank=4), tiny_llama_dir)
+    scaled = loftq.replace_lora_weights_loftq(_qlora(tiny_llama_dir, rank=4, alpha=8), tiny_llama_dir,
                                                  account_for_scaling=account)
 
     def delta(m):  # what the adapter adds to the weight: scaling * B A
@@ -83,3 +82,21 @@ def test_scaling_is_accounted_for(tiny_llama_dir, account):
 
     want = delta(plain) if account else 2 * delta(plain)  # scaling 2 without the correction
     torch.testing.assert_close(delta(scaled), want, rtol=1e-4, atol=1e-6)
+
+
+def test_skip_keeps_the_named_pairs_and_only_those(tiny_llama_dir):
+    torch.manual_seed(0)
+    model = _qlora(tiny_llama_dir, rank=4)
+    layers = model.base_model.model.model.layers
+
+    def pair(m):
+        return m.lora_A["default"].weight.detach().clone(), m.lora_B["default"].weight.detach().clone()
+
+    before = {n: pair(getattr(layers[i].self_attn, op)) for n, i, op in
+              (("v1", 1, "v_proj"), ("k1", 1, "k_proj"), ("v3", 3, "v_proj"))}
+    loftq.replace_lora_weights_loftq(model, tiny_llama_dir, skip=["model.layers.1.self_attn.v_proj"])
+    a, b = pair(layers[1].self_attn.v_proj)
+    assert torch.equal(a, before["v1"][0]) and torch.equal(b, before["v1"][1])  # kept: B still 0
+    assert not torch.equal(pair(layers[1].self_attn.k_proj)[1], before["k1"][1])  # LoftQ'd
+    # layers.3 does not match the name of layers.1, nor would layers.11 (a dot boundary)
+    assert not torch.equal(pair(layers[3].self_attn.v_proj)[1], before["v3"][1])
