@@ -569,7 +569,9 @@ def bundled_table(out: Path) -> list[str]:
             ref = json.loads(plan_r.read_text())
             same = f"{abs(ref['heldout_loss_merged'] - result['heldout_loss_merged']):.1e}"
         route = path.stem.removeprefix("eval_")
-        lines.append(f"| {result['method']} | {route} | {s.get('gsm8k_em')} | {s.get('wikitext_word_ppl')} | "
+        em, ppl = s.get("gsm8k_em"), s.get("wikitext_word_ppl")
+        lines.append(f"| {result['method']} | {route} | {'-' if em is None else f'{100 * em:.1f}'} | "
+                     f"{'-' if ppl is None else f'{ppl:.2f}'} | "
                      f"{result['heldout_loss_' + ('served' if route == 'served' else 'merged')]:.4f} | {same} |")
     return lines
 
@@ -727,7 +729,7 @@ def report(args: argparse.Namespace) -> str:
         lines += ["", f"Bundled eval (gnmr_hf.evaluation on the offline set: {BUNDLED_TASKS}; zero-shot, 24 documents, "
                   "FP32, batches of 8), seed 0 retrained with its adapter kept; the held-out loss of that run, and "
                   "how far it is from the table's run of the same seed (merged route).", "",
-                  "| method | route | GSM8K EM | WikiText word PPL | held-out loss | vs table run |",
+                  "| method | route | GSM8K EM (%) | WikiText word PPL | held-out loss | vs table run |",
                   "|---|---|---|---|---|---|", *bundled_rows]
     text = "\n".join(lines)
     if args.plot:

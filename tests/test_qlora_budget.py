@@ -181,3 +181,16 @@ def test_bundled_routes():
     routes = qb.bundled_routes("prof-op", mods)
     assert routes["served"] == ("nf4", skip_modules(mods)) and "lm_head" in routes["served"][1]
     assert routes["served"][1][-1] == mods[0]
+
+
+def test_bundled_table_rows_and_the_check_against_the_table_run(tmp_path):
+    _result(tmp_path, "prof-op-10", 0, 1.5, 1.3, 10)
+    run = tmp_path / "bundled" / "prof-op-10" / "seed0"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text(json.dumps({"method": "prof-op-10", "seed": 0, "heldout_loss_served": 1.5,
+                                                 "heldout_loss_merged": 1.3002}))
+    for route, em, ppl in (("served", 0.125, 40.0), ("merged", None, 35.5)):
+        (run / f"eval_{route}.json").write_text(json.dumps({"summary": {"gsm8k_em": em, "wikitext_word_ppl": ppl}}))
+    rows = qb.bundled_table(tmp_path)
+    assert rows == ["| prof-op-10 | merged | - | 35.50 | 1.3002 | 2.0e-04 |",
+                    "| prof-op-10 | served | 12.5 | 40.00 | 1.5000 | 2.0e-04 |"]
