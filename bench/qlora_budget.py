@@ -492,7 +492,7 @@ def oracle_dir(out: Path, seed: int = 0) -> Path:
 
 # ------------------------------------------------------------------------------------ bundled eval
 
-BUNDLED_METHODS = ("bf16", "nf4", "gnmr-op-10", "prof-op-10")
+BUNDLED_METHODS = ("bf16", "nf4", "gnmr-op-10", "prof-op-10", "loftq+prof-op-10")  # the best at 10 % last
 BUNDLED_TASKS = "gsm8k,wikitext"
 
 
