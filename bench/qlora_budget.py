@@ -285,7 +285,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     kind, pct = parse_method(args.method)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    out_root = out.parent.parent
+    out_root = Path(args.root) if getattr(args, "root", None) else out.parent.parent  # profile.json, data/
     data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
     model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir)
     units = resolve_units(model)  # the linears (recorded by prepare_dual_path)
@@ -534,7 +534,7 @@ def bundled(args: argparse.Namespace) -> None:
             print(f"[{time.strftime('%H:%M:%S')}] training {method} seed {args.seed} (adapter kept)", flush=True)
             cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(args.seed), "--out", str(run_dir),
                    "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
-                   "--data-dir", str(out / "data"), "--save-adapter", str(run_dir / "adapter")]
+                   "--data-dir", str(out / "data"), "--save-adapter", str(run_dir / "adapter"), "--root", str(out)]
             with open(run_dir / "log.txt", "a") as log:
                 rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             (run_dir / "run.lock").unlink(missing_ok=True)
@@ -643,7 +643,7 @@ def plan(args: argparse.Namespace) -> None:
                    "--out", str(run_dir), "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
                    "--data-dir", str(out / "data")]
             if method.startswith("oracle:"):
-                cmd += ["--oracle-every", str(args.oracle_every)]
+                cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
             print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
                   f"seed {seed}", flush=True)
             with open(run_dir / "log.txt", "a") as log:
@@ -784,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data-dir", default=None)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--save-adapter", default=None, help="save the trained LoRA adapter (PEFT files) here")
+    r.add_argument("--root", default=None, help="the bench folder with profile.json (default: --out's grandparent)")
     r.add_argument("--oracle-every", type=int, default=0,
                    help="measure every unit's recovery gap on every K-th step's batch (the oracle diagnostic)")
     pl = sub.add_parser("plan", help="every run, resumable")
