@@ -74,8 +74,10 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
     linear's quantisation residual ``W - dequant(W_4bit)`` (``W`` read from ``model_path``'s safetensors).
 
     Args:
-        skip: module names (``model.layers.3.self_attn.v_proj``: PEFT's name ends with it at a dot) whose
-            pairs keep their initialisation, e.g. a plan's linears that run on BF16 (no residual there).
+        skip: module names whose pairs keep their initialisation, e.g. a plan's linears that run on BF16
+            (no residual there); any spelling of a decoder linear's name matches: the stock
+            ``model.layers.3.self_attn.v_proj``, PEFT's ``base_model.model.model.layers.3.self_attn.v_proj``
+            or ``layers.3.self_attn.v_proj`` (compared by :func:`gnmr_hf.units.short_name`).
         account_for_scaling: PEFT sets ``B A`` to the rank-r residual and ignores LoRA's ``scaling``
             (``lora_alpha / r``), so with ``lora_alpha != r`` the adapter adds ``scaling`` times the
             residual. True (LoftQ's intent): both factors are divided by ``sqrt(scaling)`` afterwards, so
@@ -87,11 +89,14 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
     from peft.tuners.lora import Linear4bit
 
     if skip:
-        names = tuple(str(n) for n in skip)
+        from gnmr_hf.units import short_name
+
+        # PEFT names the modules without its own wrapper prefix; short names compare any spelling
+        keep = {short_name(str(n)) for n in skip}
         inner = callback
 
         def callback(model, module_name, _inner=inner):  # noqa: ANN001  (PEFT's callback signature)
-            if any(module_name == n or module_name.endswith("." + n) for n in names):
+            if short_name(module_name) in keep:
                 return False  # roll back: keep the pair PEFT had before
             return True if _inner is None else _inner(model, module_name)
 

@@ -859,9 +859,13 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         t0 = time.time()
         skip = list((planned or {}).get("modules") or [])
         replace_lora_weights_loftq(model, model_path, skip=skip)
-        loftq = {"seconds": round(time.time() - t0, 2), "kept_default": len(skip)}
+        # counted, not assumed: the pairs still at PEFT's default (B = 0) are the ones LoftQ left alone
+        kept = sum(1 for m in model.modules() if isinstance(getattr(m, "lora_B", None), torch.nn.ModuleDict)
+                   and "default" in m.lora_B and not bool(m.lora_B["default"].weight.any()))
+        loftq = {"seconds": round(time.time() - t0, 2), "kept_default": kept, "skip": len(skip)}
         if args.process_index == 0:
-            print(f"lora_init: loftq ({loftq['seconds']:.1f} s; {len(skip)} planned linears keep the default init)")
+            print(f"lora_init: loftq ({loftq['seconds']:.1f} s; {kept} LoRA pairs keep the default init, "
+                  f"{len(skip)} planned linears asked)")
 
     trainer = Trainer(
         model=model,

@@ -84,7 +84,10 @@ def test_scaling_is_accounted_for(tiny_llama_dir, account):
     torch.testing.assert_close(delta(scaled), want, rtol=1e-4, atol=1e-6)
 
 
-def test_skip_keeps_the_named_pairs_and_only_those(tiny_llama_dir):
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.v_proj",  # the stock name (a plan's modules)
+                                  "base_model.model.model.layers.1.self_attn.v_proj",  # PEFT's, resolve_units'
+                                  "layers.1.self_attn.v_proj"])  # the short unit name
+def test_skip_keeps_the_named_pairs_and_only_those(tiny_llama_dir, name):
     torch.manual_seed(0)
     model = _qlora(tiny_llama_dir, rank=4)
     layers = model.base_model.model.model.layers
@@ -94,7 +97,7 @@ def test_skip_keeps_the_named_pairs_and_only_those(tiny_llama_dir):
 
     before = {n: pair(getattr(layers[i].self_attn, op)) for n, i, op in
               (("v1", 1, "v_proj"), ("k1", 1, "k_proj"), ("v3", 3, "v_proj"))}
-    loftq.replace_lora_weights_loftq(model, tiny_llama_dir, skip=["model.layers.1.self_attn.v_proj"])
+    loftq.replace_lora_weights_loftq(model, tiny_llama_dir, skip=[name])
     a, b = pair(layers[1].self_attn.v_proj)
     assert torch.equal(a, before["v1"][0]) and torch.equal(b, before["v1"][1])  # kept: B still 0
     assert not torch.equal(pair(layers[1].self_attn.k_proj)[1], before["k1"][1])  # LoftQ'd
