@@ -332,11 +332,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if kind.startswith("loftq"):
         from gnmr_hf.loftq import replace_lora_weights_loftq
 
-        keep = {gnmr_hf.units.short_name(units[u][0]) for u in planned}
         t0 = time.perf_counter()
         # LoftQ on the linears that stay NF4; one on BF16 keeps the stock init (no quantisation error there)
-        replace_lora_weights_loftq(model, model_path,
-                                       callback=lambda _m, name: gnmr_hf.units.short_name(name) not in keep)
+        replace_lora_weights_loftq(model, model_path, skip=[units[u][0] for u in planned])
         loftq_s = time.perf_counter() - t0
     else:
         loftq_s = 0.0
@@ -517,7 +515,6 @@ def bundled(args: argparse.Namespace) -> None:
     from gnmr_hf.offline.eval_data import write_eval_data
 
     out = Path(args.out)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     data_dir = out / "eval_data"
     if not (data_dir / "gsm8k" / "test.jsonl").is_file():
         write_eval_data(data_dir)
@@ -535,17 +532,14 @@ def bundled(args: argparse.Namespace) -> None:
             cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(args.seed), "--out", str(run_dir),
                    "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
                    "--data-dir", str(out / "data"), "--save-adapter", str(run_dir / "adapter"), "--root", str(out)]
-            with open(run_dir / "log.txt", "a") as log:
-                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            (run_dir / "run.lock").unlink(missing_ok=True)
-            if rc != 0:
-                print(f"  {method} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+            if not _run_claimed(run_dir, cmd, method):
                 continue
         result = json.loads((run_dir / "result.json").read_text())
-        served = [m for name in result["planned"] for m in full_names[name]] if kind not in DYNAMIC else []
-        if kind not in DYNAMIC and result["planned"] and not full_names:
+        served_names = [] if kind == "bf16" else served_units(kind, result["planned"])  # bf16: one route
+        if served_names and not full_names:
             raise SystemExit("profile_full.json is missing: run the profile first")
-        for route, (precision, skips) in bundled_routes(kind, served if kind != "bf16" else []).items():
+        served = [m for name in served_names for m in full_names[name]]
+        for route, (precision, skips) in bundled_routes(kind, served).items():
             target = run_dir / f"eval_{route}.json"
             if target.is_file():
                 continue
@@ -588,6 +582,18 @@ def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tupl
     return runs
 
 
+def _run_claimed(run_dir: Path, cmd: list[str], what: str) -> bool:
+    """Run ``cmd`` (one torch thread) with its output appended to ``run_dir/log.txt``, then release the lock
+    the caller claimed (``nf4_bench._claim``); False, with a line naming the log, when it failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(run_dir / "log.txt", "a") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    (run_dir / "run.lock").unlink(missing_ok=True)
+    if rc != 0:
+        print(f"  {what} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+    return rc == 0
+
+
 def _run_dir(out: Path, method: str, seed: int) -> Path:
     if method.startswith("oracle:"):
         return oracle_dir(out, seed)
@@ -613,7 +619,6 @@ def plan(args: argparse.Namespace) -> None:
         procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(w)])
                  for w in range(args.workers)]
         sys.exit(max(p.wait() for p in procs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     failed: set[tuple[str, int]] = set()
     while True:
         pending = [r for r in runs if not (_run_dir(out, *r) / "result.json").is_file() and r not in failed]
@@ -626,11 +631,7 @@ def plan(args: argparse.Namespace) -> None:
                 took = True
                 print(f"[{time.strftime('%H:%M:%S')}] profiling", flush=True)
                 cmd = [sys.executable, __file__, "profile", "--out", str(out), "--batches", str(args.profile_batches)]
-                with open(run_dir / "log.txt", "a") as log:
-                    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-                (run_dir / "run.lock").unlink(missing_ok=True)
-                if rc != 0:
-                    print(f"  profile failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+                if not _run_claimed(run_dir, cmd, "profile"):
                     failed.add(("profile", -1))
                 continue
         ready = [r for r in pending if not needs_profile(r[0]) or profile_path(out).is_file()]
@@ -646,11 +647,7 @@ def plan(args: argparse.Namespace) -> None:
                 cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
             print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
                   f"seed {seed}", flush=True)
-            with open(run_dir / "log.txt", "a") as log:
-                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            (run_dir / "run.lock").unlink(missing_ok=True)
-            if rc != 0:
-                print(f"  {method} seed {seed} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+            if not _run_claimed(run_dir, cmd, f"{method} seed {seed}"):
                 failed.add((method, seed))
             break
         if not took:

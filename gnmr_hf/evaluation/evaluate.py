@@ -342,6 +342,11 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
     return [m.strip() for m in text.split(",") if m.strip()]
 
 
+def _check_skip_modules(precision: str, skip_modules: list[str] | None) -> None:
+    if skip_modules is not None and precision == "bf16":
+        raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
+
+
 def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
                device: str = "cpu", compute_dtype: str = "bfloat16",
                skip_modules: list[str] | None = None) -> tuple[Any, Any]:
@@ -371,8 +376,7 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
     if precision not in PRECISIONS:
         raise EvalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype_name = _compute_dtype(compute_dtype)
-    if skip_modules is not None and precision == "bf16":
-        raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
+    _check_skip_modules(precision, skip_modules)
     if adapter is not None:
         require("peft", "Loading a LoRA adapter")
         _read_adapter_config(adapter)
@@ -501,8 +505,7 @@ def evaluate(
     if adapter is not None:
         _read_adapter_config(adapter)
     dtype_name = _compute_dtype(compute_dtype)
-    if skip_modules is not None and precision == "bf16":
-        raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
+    _check_skip_modules(precision, skip_modules)
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
