@@ -26,6 +26,7 @@ _LAZY = {
     "recovery_device_bytes": "gnmr_hf.backends.base",
     "find_decoder_layers": "gnmr_hf.units",
     "smollm2_checkpoint": "gnmr_hf.offline.smollm2",
+    "gemma3_checkpoint": "gnmr_hf.offline.gguf_models",
     "profile_sensitivity": "gnmr_hf.profile",
     "plan": "gnmr_hf.profile",
     "measure_plan": "gnmr_hf.profile",
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.backends.dispatch import prepare_dual_path
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
+    from gnmr_hf.offline.gguf_models import gemma3_checkpoint
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
     from gnmr_hf.profile import (
         PrecisionPlan,
