@@ -27,6 +27,7 @@ _LAZY = {
     "find_decoder_layers": "gnmr_hf.units",
     "smollm2_checkpoint": "gnmr_hf.offline.smollm2",
     "gemma3_checkpoint": "gnmr_hf.offline.gguf_models",
+    "prepare_for_training": "gnmr_hf.training",
     "profile_sensitivity": "gnmr_hf.profile",
     "plan": "gnmr_hf.profile",
     "measure_plan": "gnmr_hf.profile",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
         skip_modules,
     )
     from gnmr_hf.trainer.callback import GNMRCallback, attach
+    from gnmr_hf.training import prepare_for_training
     from gnmr_hf.units import find_decoder_layers
 
 
