@@ -269,6 +269,47 @@ def unit_bytes_of(units) -> list[int]:
     return out
 
 
+def _peak_rss() -> int:
+    """The process's peak resident set size in bytes (Linux reports KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def served_weight_bytes(model, units, served_set: list[int]) -> dict[str, Any]:
+    """What the served model's weights take (gnmr_hf.memory: as a stock bitsandbytes NF4 load holds
+    them, quant states included) with the served set on BF16, and all-NF4, so that a row's price
+    reads as memory over the NF4 model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import gnmr_hf.memory
+    from gnmr_hf.units import unwrap_model
+
+    with torch.device("meta"):  # shapes only
+        meta = AutoModelForCausalLM.from_config(unwrap_model(model).config)
+    linears = {n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = [_plain_name(n, linears) for n, _ in units]
+    kept = {names[u] for u in served_set}
+    nf4 = gnmr_hf.memory.predict_model_bytes(meta, names, "nf4")["total"]
+    served = gnmr_hf.memory.predict_model_bytes(meta, [n for n in names if n not in kept], "nf4")["total"]
+    return {"served_weight_bytes": served, "nf4_weight_bytes": nf4, "memory_over_nf4": served / nf4 - 1}
+
+
+def _plain_name(unit_name: str, linears: set[str]) -> str:
+    """A unit's linear as named in the plain transformers model (PEFT's prefixes and wrappers dropped)."""
+    from gnmr_hf.units import short_name
+
+    short = short_name(unit_name)
+    for cand in (short, "model." + short):
+        if cand in linears:
+            return cand
+    hits = [n for n in linears if n.endswith("." + short)]
+    if len(hits) != 1:
+        raise ValueError(f"unit {unit_name} is not one linear of the plain model ({len(hits)} matches)")
+    return hits[0]
+
+
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -276,6 +317,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback
 
     import gnmr_hf
+    import gnmr_hf.memory
     from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticSetPolicy
@@ -358,6 +400,36 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, a, state, control, **kw):
             step_times.append(time.perf_counter() - self.t0 - ((probe.seconds if probe else 0.0) - self.probe0))
 
+    eval_every = getattr(args, "eval_every", 0) or 0
+    script = recipe.script
+    test = [json.loads(line) for line in
+            (write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
+             / "test.jsonl").read_text().splitlines()][:args.eval_problems]
+    curve: list[dict[str, Any]] = []
+
+    def both_routes() -> tuple[float, float]:
+        """Held-out loss served (the run's fixed set) and merged (all BF16); restores the active set."""
+        was_training, before = model.training, active_units(model, units)
+        set_active_units(model, served_units(kind, planned), units)
+        served = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        set_active_units(model, list(range(U)), units)
+        merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        set_active_units(model, before, units)
+        model.train(was_training)
+        return served, merged
+
+    class Curve(TrainerCallback):
+        """Every ``--eval-every`` steps: both routes' held-out loss, written to curve.json at once."""
+
+        def on_step_end(self, a, state, control, **kw):
+            if eval_every and state.global_step % eval_every == 0 and state.global_step < args.steps:
+                served, merged = both_routes()
+                curve.append({"step": state.global_step, "heldout_loss_served": served, "heldout_loss_merged": merged,
+                              "peak_rss_bytes": _peak_rss()})
+                tmp = out / ".curve.json.tmp"
+                tmp.write_text(json.dumps(curve) + "\n")
+                os.replace(tmp, out / "curve.json")
+
     class BenchTrainer(Trainer):
         def training_step(self, model_, inputs, num_items_in_batch=None):
             step = self.state.global_step + 1
@@ -370,21 +442,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     train_ds = _train_dataset(recipe, tokenizer, out)
     trainer = BenchTrainer(model=model, args=recipe.training, train_dataset=train_ds, data_collator=_collator(tokenizer),
-                      callbacks=[Bench(), callback])
+                      callbacks=[Bench(), Curve(), callback])
     start = time.time()
     trainer.train()
     train_s = time.time() - start
 
-    script = recipe.script
-    test = [json.loads(line) for line in
-            (write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
-             / "test.jsonl").read_text().splitlines()][:args.eval_problems]
     served_set = served_units(kind, planned)
-    set_active_units(model, served_set, units)
-    loss_served = nf4_bench.heldout_loss(model, tokenizer, test, script)
-    set_active_units(model, list(range(U)), units)
-    loss_merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
+    loss_served, loss_merged = both_routes()
+    curve.append({"step": args.steps, "heldout_loss_served": loss_served, "heldout_loss_merged": loss_merged,
+                  "peak_rss_bytes": _peak_rss()})
     set_active_units(model, [], units)
+    weights = served_weight_bytes(model, units, served_set)
     if getattr(args, "save_adapter", None):
         model.save_pretrained(args.save_adapter)  # the LoRA adapter alone (plain PEFT files)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -401,6 +469,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "step_s_median": statistics.median(step_times), "step_s": step_times, "train_wall_s": round(train_s, 1),
         "loftq_s": round(loftq_s, 1), "summary": json.loads((out / "gnmr_summary.json").read_text()),
         "threads": torch.get_num_threads(),
+        "curve": curve, "eval_every": eval_every, "peak_rss_bytes": _peak_rss(),
+        "trained_model_bytes": gnmr_hf.memory.model_bytes(model)["total"] + recovery_device_bytes(model),
+        **weights,
     }
     if probe is not None:
         for row in oracle_rows:
@@ -642,7 +713,7 @@ def plan(args: argparse.Namespace) -> None:
             took = True
             cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
                    "--out", str(run_dir), "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
-                   "--data-dir", str(out / "data")]
+                   "--data-dir", str(out / "data"), "--eval-every", str(args.eval_every)]
             if method.startswith("oracle:"):
                 cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
             print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
@@ -782,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--save-adapter", default=None, help="save the trained LoRA adapter (PEFT files) here")
     r.add_argument("--root", default=None, help="the bench folder with profile.json (default: --out's grandparent)")
+    r.add_argument("--eval-every", type=int, default=0,
+                   help="also measure both routes' held-out loss every K steps (curve.json, the length curve)")
     r.add_argument("--oracle-every", type=int, default=0,
                    help="measure every unit's recovery gap on every K-th step's batch (the oracle diagnostic)")
     pl = sub.add_parser("plan", help="every run, resumable")
@@ -792,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--seeds", default="0,1,2")
     pl.add_argument("--methods", default=None, help="comma-separated subset (default: all, tier by tier)")
     pl.add_argument("--profile-batches", type=int, default=2)
+    pl.add_argument("--eval-every", type=int, default=0, help="passed to every run: the length curve")
     pl.add_argument("--workers", type=int, default=1)
     pl.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     pl.add_argument("--oracle-every", type=int, default=2,
