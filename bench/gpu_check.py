@@ -1,7 +1,7 @@
 """GPU readiness check: every GPU-side check of the project in one run, one JSON and one Markdown table.
 
 Started by ``bench/gpu_check.sh`` (see there for the commands). Four stages, each a subprocess with its
-own time limit, all inside one overall budget (480 s by default: the check must fit in 8 minutes on one
+own time limit, all inside one overall budget (570 s by default: the check must fit in 10 minutes on one
 GPU); a stage that would start with too little of the budget left is recorded as skipped, never silently
 dropped:
 
@@ -10,7 +10,10 @@ dropped:
 3. ``bench/gpu_13b_shape.py``: bf16 / int8 / gnmr step time and peak device memory on a model of
    LLaMA-2 13B's layer shape;
 4. 20 steps of each SmolLM2 recipe (``recipes/smollm2-135m/*.yaml`` but ``base.yaml``) through
-   ``recipes/finetune.py``: steps, mean step time, peak memory, first and last loss.
+   ``recipes/finetune.py``: steps, mean step time, peak memory, first and last loss;
+5. ``bench/train_memory.py`` on SmolLM2 and Gemma 3 270M (when installed): the weights' bytes and the
+   training peak (``torch.cuda.max_memory_allocated``) of LoRA on all-NF4, NF4 with every ``v_proj`` on
+   BF16 (a plan) and BF16.
 
 ``--dry-run`` runs every stage at its smallest size on the CPU (the gpu tests skip themselves there, the
 switch bench and the recipes use a tiny random LLaMA, the 13B-shape bench its own ``--dry-run``) and still
@@ -36,9 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "recipes" / "smollm2-135m"
-# seconds per stage on a GPU ("recipe": per SmolLM2 recipe, 5 of them); together 470 s, inside the
-# 480 s default budget. The dry run multiplies them by 4: on a CPU every subprocess pays seconds of imports.
-LIMITS = {"pytest_gpu": 60, "switch": 60, "shape_13b": 200, "recipe": 30}
+# seconds per stage on a GPU ("recipe": per SmolLM2 recipe, 5 of them; "memory": per model, SmolLM2 and
+# Gemma 3); together 560 s, inside the 570 s default budget. The dry run multiplies them by 4: on a CPU every subprocess pays seconds of imports.
+LIMITS = {"pytest_gpu": 60, "switch": 60, "shape_13b": 200, "recipe": 30, "memory": 45}
 # the least time a stage needs to say anything useful; below it the stage is skipped
 MIN_START_S = 10
 
@@ -179,6 +182,27 @@ def stage_shape_13b(r: Runner, dry_run: bool) -> dict[str, Any]:
     return res
 
 
+def stage_memory(r: Runner, dry_run: bool, tiny: Path | None) -> list[dict[str, Any]]:
+    """bench/train_memory.py per model: NF4, the plan (v_proj on BF16) and BF16, weights and peak."""
+    from gnmr_hf.offline.gguf_models import is_installed
+
+    models = [str(tiny)] if dry_run else ["smollm2-135m-instruct"] + (["gemma3-270m"] if is_installed("gemma3-270m") else [])
+    rows = []
+    for model in models:
+        name = "tiny" if dry_run else model
+        js = r.logs / f"memory_{name}.json"
+        cmd = [sys.executable, "bench/train_memory.py", "--model", model, "--keep", "v_proj", "--out", str(js)]
+        cmd += ["--steps", "1", "--batch", "1", "--seq", "16"] if dry_run else ["--steps", "3", "--batch", "4", "--seq", "512"]
+        res = r.run(f"memory_{name}", cmd, LIMITS["memory"])
+        res.update(model=name, command=shlex.join(cmd[1:]))
+        if js.is_file():
+            res["rows"] = json.loads(js.read_text())["rows"]
+        elif res["status"] == "ok":
+            res.update(status="failed", reason="no JSON written")
+        rows.append(res)
+    return rows
+
+
 def recipes_worker(spec_file: Path) -> int:
     """Run the recipes listed in ``spec_file`` one after the other in this process (imports paid once).
 
@@ -300,6 +324,13 @@ def markdown(report: dict[str, Any]) -> str:
                     + ("" if row.get("promotion_ratio") is None
                        else f", promotion ratio {row['promotion_ratio']:.3f}"))
         lines.append(f"| SmolLM2 recipe {row['precision']} | {row['status']} | {row['seconds']:.0f} | {text} |")
+    for res in s.get("memory", []):
+        if not res.get("rows"):
+            lines.append(f"| memory {res['model']} | {res['status']} | {res['seconds']:.0f} | {res.get('reason', '')} |")
+        for row in res.get("rows", []):
+            lines.append(f"| memory {res['model']}, {row['config']} | {res['status']} | {res['seconds']:.0f} | weights "
+                         f"{row['weights_bytes'] / 2**20:.1f} MiB, training peak {row['peak_bytes'] / 2**20:.1f} MiB "
+                         f"({row['peak_kind']}), step {row['step_s']:.2f} s |")
     lines += ["", f"Side-stream overlap (step time with a promotion in flight vs without): {sw['side_stream_overlap']}.",
               f"Total {report['total_s']:.0f} s of a {report['budget_s']:.0f} s budget."]
     return "\n".join(lines) + "\n"
@@ -318,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output folder: gpu_check.json, gpu_check.md, logs/")
     p.add_argument("--dry-run", action="store_true", help="every stage at its smallest size on the CPU")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="overall time budget in seconds (default 480; dry run 1800, for a loaded CPU)")
+                   help="overall time budget in seconds (default 570; dry run 1800, for a loaded CPU)")
     p.add_argument("--recipe-steps", type=int, default=None, help="steps per SmolLM2 recipe (20; dry run 2)")
     p.add_argument("--recipes-worker", default=None, help=argparse.SUPPRESS)  # the recipes stage's own process
     args = p.parse_args(argv)
@@ -327,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         p.error("--out is required")
     if args.budget_s is None:
-        args.budget_s = 1800.0 if args.dry_run else 480.0
+        args.budget_s = 1800.0 if args.dry_run else 570.0
     if args.budget_s <= 0:
         p.error(f"--budget-s must be positive, got {args.budget_s}")
     if args.recipe_steps is not None and args.recipe_steps < 1:
@@ -357,13 +388,18 @@ def main(argv: list[str] | None = None) -> int:
 
         t1 = time.monotonic()
         gnmr_hf.smollm2_checkpoint()
-        print(f"SmolLM2 checkpoint ready in {time.monotonic() - t1:.0f} s", flush=True)
+        from gnmr_hf.offline.gguf_models import is_installed
+
+        if is_installed("gemma3-270m"):
+            gnmr_hf.gemma3_checkpoint()
+        print(f"offline checkpoints ready in {time.monotonic() - t1:.0f} s", flush=True)
 
     stages: dict[str, Any] = {}
     stages["pytest_gpu"] = stage_pytest(r, args.dry_run)
     stages["switch"] = stage_switch(r, args.dry_run, tiny)
     stages["shape_13b"] = stage_shape_13b(r, args.dry_run)
     stages["recipes"] = stage_recipes(r, args.dry_run, tiny, steps)
+    stages["memory"] = stage_memory(r, args.dry_run, tiny)
 
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -380,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
     statuses = [stages[k]["status"] for k in ("pytest_gpu", "switch", "shape_13b")]
-    statuses += [row["status"] for row in stages["recipes"]]
+    statuses += [row["status"] for row in stages["recipes"]] + [row["status"] for row in stages["memory"]]
     return 0 if all(st == "ok" for st in statuses) else 1
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU readiness check: on one GPU, in at most 8 minutes, runs `pytest -m gpu`, bench/switch.py's
+# GPU readiness check: on one GPU, in at most 10 minutes, runs `pytest -m gpu`, bench/switch.py's
 # GPU branch, bench/gpu_13b_shape.py (bf16 / int8 / gnmr step time and peak device memory) and 20 steps of
-# each SmolLM2 recipe on CUDA, then writes OUT/gpu_check.json and OUT/gpu_check.md (one table) plus a log
+# each SmolLM2 recipe on CUDA, bench/train_memory.py (NF4 / plan / BF16 weights and training peak on SmolLM2 and
+# Gemma 3), then writes OUT/gpu_check.json and OUT/gpu_check.md (one table) plus a log
 # per stage under OUT/logs. The stages and their time limits are in bench/gpu_check.py.
 #
 #   bash bench/gpu_check.sh [--out runs/gpu_check]             # on a CUDA machine

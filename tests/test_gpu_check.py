@@ -102,8 +102,9 @@ def dry_run(tmp_path_factory):
 @pytest.mark.slow
 def test_dry_run_passes_every_stage(dry_run):
     proc, report, _, out = dry_run
-    failed = {k: v for k, v in report["stages"].items() if k != "recipes" and v["status"] != "ok"}
+    failed = {k: v for k, v in report["stages"].items() if k not in ("recipes", "memory") and v["status"] != "ok"}
     failed.update({r["precision"]: r for r in report["stages"]["recipes"] if r["status"] != "ok"})
+    failed.update({"memory " + r["model"]: r for r in report["stages"]["memory"] if r["status"] != "ok"})
     logs = {k: (out / v["log"]).read_text()[-1500:] for k, v in failed.items() if v.get("log")}
     assert failed == {}, f"{json.dumps(failed, indent=1)}\n{logs}"
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -178,3 +179,18 @@ def test_dry_run_13b_shape_and_recipes_report_real_runs(dry_run):
         line = next(ln for ln in md.splitlines() if ln.startswith(f"| 13B shape, {row['precision']} |"))
         assert f"final loss {row['final_loss']:.4f}" in line
     assert "| pytest -m gpu | ok |" in md and md.count("| switch, storage ") == 3
+
+
+@pytest.mark.slow
+def test_dry_run_memory_stage_prices_nf4_plan_bf16(dry_run):
+    _, report, md, _ = dry_run
+    (res,) = report["stages"]["memory"]
+    rows = {r["config"]: r for r in res["rows"]}
+    assert sorted(rows) == ["bf16", "nf4", "plan"]
+    # the plan keeps every v_proj on BF16: more than all-NF4, less than BF16, and nothing upcast on the way
+    assert rows["nf4"]["weights_bytes"] < rows["plan"]["weights_bytes"] < rows["bf16"]["weights_bytes"]
+    assert all(r["prepared_weights_bytes"] == r["weights_bytes"] for r in rows.values())
+    assert rows["plan"]["kept"] > 0 and all(_finite(r["last_loss"]) and r["peak_bytes"] > 0 for r in rows.values())
+    for config, row in rows.items():
+        line = next(ln for ln in md.splitlines() if ln.startswith(f"| memory tiny, {config} |"))
+        assert f"weights {row['weights_bytes'] / 2**20:.1f} MiB" in line
