@@ -100,16 +100,29 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
                 return False  # roll back: keep the pair PEFT had before
             return True if _inner is None else _inner(model, module_name)
 
+    pairs = [m for m in peft_model.modules() if isinstance(m, Linear4bit) and adapter_name in m.lora_A]
+    # the values before, cloned: ``weight.data`` is a new object at every access, so identity says nothing
+    before = {id(m): (m.lora_A[adapter_name].weight.detach().clone(), m.lora_B[adapter_name].weight.detach().clone())
+              for m in pairs}
     with loftq_on_the_weight_device():
-        before = {id(m): m.lora_A[adapter_name].weight.data for m in peft_model.modules()
-                  if isinstance(m, Linear4bit) and adapter_name in m.lora_A}
         peft_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name, callback=callback)
     if account_for_scaling:
-        for module in peft_model.modules():
-            # only the pairs LoftQ replaced (a rolled-back pair holds its old tensors again)
-            if isinstance(module, Linear4bit) and adapter_name in module.lora_A and \
-                    module.lora_A[adapter_name].weight.data is not before[id(module)]:
-                root = float(module.scaling[adapter_name]) ** 0.5
-                module.lora_A[adapter_name].weight.data /= root
-                module.lora_B[adapter_name].weight.data /= root
+        for module in replaced_pairs(peft_model, before, adapter_name):
+            root = float(module.scaling[adapter_name]) ** 0.5
+            module.lora_A[adapter_name].weight.data /= root
+            module.lora_B[adapter_name].weight.data /= root
     return peft_model
+
+
+def replaced_pairs(peft_model: Any, before: dict[int, tuple[Any, Any]], adapter_name: str = "default") -> list[Any]:
+    """The 4-bit LoRA modules whose A or B differ from ``before`` (``id(module) -> (A, B)`` clones):
+    the pairs LoftQ replaced; a rolled-back (skipped) pair holds its old values again."""
+    import torch
+
+    out = []
+    for module in peft_model.modules():
+        if id(module) in before:
+            a, b = before[id(module)]
+            if not (torch.equal(module.lora_A[adapter_name].weight, a) and torch.equal(module.lora_B[adapter_name].weight, b)):
+                out.append(module)
+    return out

@@ -858,10 +858,14 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
 
         t0 = time.time()
         skip = list((planned or {}).get("modules") or [])
+        # counted, not assumed: the pairs whose A and B are bit-identical to their default init afterwards
+        pairs = {id(m): (m.lora_A["default"].weight.detach().clone(), m.lora_B["default"].weight.detach().clone())
+                 for m in model.modules() if isinstance(getattr(m, "lora_B", None), torch.nn.ModuleDict)
+                 and "default" in m.lora_B}
         replace_lora_weights_loftq(model, model_path, skip=skip)
-        # counted, not assumed: the pairs still at PEFT's default (B = 0) are the ones LoftQ left alone
-        kept = sum(1 for m in model.modules() if isinstance(getattr(m, "lora_B", None), torch.nn.ModuleDict)
-                   and "default" in m.lora_B and not bool(m.lora_B["default"].weight.any()))
+        kept = sum(1 for m in model.modules() if id(m) in pairs
+                   and torch.equal(m.lora_A["default"].weight, pairs[id(m)][0])
+                   and torch.equal(m.lora_B["default"].weight, pairs[id(m)][1]))
         loftq = {"seconds": round(time.time() - t0, 2), "kept_default": kept, "skip": len(skip)}
         if args.process_index == 0:
             print(f"lora_init: loftq ({loftq['seconds']:.1f} s; {kept} LoRA pairs keep the default init, "

@@ -103,3 +103,26 @@ def test_skip_keeps_the_named_pairs_and_only_those(tiny_llama_dir, name):
     assert not torch.equal(pair(layers[1].self_attn.k_proj)[1], before["k1"][1])  # LoftQ'd
     # layers.3 does not match the name of layers.1, nor would layers.11 (a dot boundary)
     assert not torch.equal(pair(layers[3].self_attn.v_proj)[1], before["v3"][1])
+
+
+def test_skip_keeps_the_pairs_bit_identical_under_the_recipes_scaling(tiny_llama_dir):
+    # the recipes' LoRA: r 8, alpha 16 (scaling 2): a skipped pair must not be divided by sqrt(2)
+    torch.manual_seed(0)
+    model = _qlora(tiny_llama_dir, rank=8, alpha=16)
+    layers = model.base_model.model.model.layers
+    skipped = [layers[0].self_attn.v_proj, layers[2].mlp.down_proj]
+
+    def pair(m):
+        return m.lora_A["default"].weight.detach().clone(), m.lora_B["default"].weight.detach().clone()
+
+    before = {id(m): pair(m) for m in model.modules() if isinstance(m, peft.tuners.lora.Linear4bit)}
+    loftq.replace_lora_weights_loftq(model, tiny_llama_dir, skip=["model.layers.0.self_attn.v_proj",
+                                                                  "model.layers.2.mlp.down_proj"])
+    for m in skipped:
+        a, b = pair(m)
+        assert torch.equal(a, before[id(m)][0]) and torch.equal(b, before[id(m)][1])
+    replaced = loftq.replaced_pairs(model, before)
+    assert len(replaced) == len(before) - 2 and not any(m in replaced for m in skipped)
+    # a replaced pair carries the residual with the scaling accounted for: A was divided by sqrt(2)
+    m = layers[1].self_attn.q_proj
+    assert m in replaced and not torch.equal(pair(m)[0], before[id(m)][0])
