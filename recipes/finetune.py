@@ -75,8 +75,8 @@ class ScriptArguments:
     """The model, the data and the precision of the base weights.
 
     Args:
-        model (`str`): a local folder with ``config.json``, a hub id, or ``"smollm2-135m-instruct"``
-            (``gnmr_hf.smollm2_checkpoint()``, offline).
+        model (`str`): a local folder with ``config.json``, a hub id, or an offline alias
+            (``"smollm2-135m-instruct"``, ``"gemma3-270m"``: converted once from the packages' GGUF, offline).
         precision (`str`): bf16, int8, gnmr, nf4 or gnmr-nf4 (see the module docstring).
         bnb_4bit_use_double_quant (`bool`): nf4 / gnmr-nf4: quantise the 4-bit scales too (QLoRA's
             double quantisation).
@@ -99,7 +99,8 @@ class ScriptArguments:
             On CPUs without BF16 matrix units a float32 step is several times faster.
     """
 
-    model: str = field(default=SMOLLM2, metadata={"help": "local folder, hub id, or smollm2-135m-instruct"})
+    model: str = field(default=SMOLLM2, metadata={"help": "local folder, hub id, or an offline alias: "
+                                                           "smollm2-135m-instruct, gemma3-270m"})
     precision: Literal["bf16", "int8", "gnmr", "nf4", "gnmr-nf4"] = field(
         default="bf16", metadata={"help": "base weights: bf16, int8, gnmr (INT8 + GNMR), nf4, gnmr-nf4"})
     bnb_4bit_use_double_quant: bool = field(default=False, metadata={"help": "nf4: double quantisation"})
@@ -564,12 +565,13 @@ def validate(recipe: Recipe) -> Recipe:
 
 
 def resolve_model_path(name: str) -> str:
-    """A local folder for ``name``: the SmolLM2 cache, a folder as given, or a hub id (offline cache)."""
-    if name == SMOLLM2:
-        from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+    """A local folder for ``name``: an offline model's cache (``smollm2-135m-instruct``, ``gemma3-270m``:
+    ``gnmr_hf.offline.gguf_models``), a folder as given, or a hub id (offline cache)."""
+    from gnmr_hf.offline.gguf_models import MODELS, gguf_checkpoint
 
+    if name in MODELS:
         try:
-            return str(smollm2_checkpoint())
+            return str(gguf_checkpoint(name))
         except (FileNotFoundError, ImportError) as e:
             raise RecipeError(str(e)) from None
     if os.path.isdir(name):
