@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ __all__ = [
     "PrecisionPlan",
     "SensitivityProfile",
     "UnitScore",
+    "budget_error",
     "format_price_table",
     "measure_plan",
     "parse_budget",
@@ -239,8 +240,14 @@ class SensitivityProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SensitivityProfile:
-        if "units" not in data or "losses" not in data:
-            raise ValueError("not a sensitivity profile (no 'units' / 'losses')")
+        """Build a profile from :meth:`to_dict`'s dict (or a ``profile.json``), checked field by field.
+
+        Raises:
+            ValueError: one line naming the field: a missing key, a wrong type, a unit whose ``index`` is not its
+                position in ``units`` (a deleted, duplicated or reordered unit: plans count positions), a
+                string where a list of module names belongs, negative bytes, an unknown ``format``.
+        """
+        _check_profile_dict(data)
         units = [UnitScore(index=int(u["index"]), name=u["name"], modules=list(u["modules"]), bytes=int(u["bytes"]),
                            layer=u.get("layer"), op=u.get("op", ""),
                            scores={k: (math.nan if v is None else float(v)) for k, v in u["scores"].items()})
@@ -259,14 +266,117 @@ class SensitivityProfile:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SensitivityProfile:
-        """Read a profile written by :meth:`to_json` (or ``gnmr-hf profile``'s ``profile.json``)."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a profile written by :meth:`to_json` (or ``gnmr-hf profile``'s ``profile.json``).
+
+        Raises:
+            ValueError: not JSON, or not a valid profile (one line: the file and the field; see :meth:`from_dict`).
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
-    return format(v, spec)
+    return _num(v, spec)
+
+
+def _num(v: float, spec: str) -> str:
+    """``format(v, spec)`` without a negative zero (``-0.0004`` at ``.3f`` is ``0.000``, not ``-0.000``)."""
+    text = format(v, spec)
+    if text.startswith("-") and not any(c in "123456789" for c in text.split("e")[0]):
+        text = text[1:]
+    return text
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None
+
+
+def _check_profile_dict(data: Any) -> None:
+    """The contract of a profile dict / ``profile.json`` (docs/profile.md): one-line ValueError naming the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a sensitivity profile: a JSON object was expected, got {type(data).__name__}")
+    if "units" not in data or "losses" not in data:
+        raise ValueError("not a sensitivity profile (no 'units' / 'losses')")
+    fmt = data.get("format", FORMAT_VERSION)  # every profile ever written has it; a hand-built dict may not
+    if fmt != FORMAT_VERSION or not _is_int(fmt):
+        raise ValueError(f"format {fmt!r} is not a profile format this gnmr_hf reads (it reads {FORMAT_VERSION})")
+    for key in ("criteria", "costs", "batches", "tokens"):
+        if key not in data:
+            raise ValueError(f"missing field {key!r} (a profile holds format, units, losses, criteria, costs, "
+                             "batches, tokens)")
+
+    def need(ok: bool, field_name: str, what: str, value: Any) -> None:
+        if not ok:
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise ValueError(f"{field_name} must be {what}, got {type(value).__name__} {shown}")
+
+    losses = data["losses"]
+    need(isinstance(losses, dict), "losses", "an object with low and high", losses)
+    for key in ("low", "high"):
+        if key not in losses:
+            raise ValueError(f"missing field 'losses.{key}'")
+        need(_is_number(losses[key]) and losses[key] is not None, f"losses.{key}", "a number", losses[key])
+    crit = data["criteria"]
+    need(isinstance(crit, list) and all(isinstance(c, str) for c in crit), "criteria", "a list of names", crit)
+    need(isinstance(data["costs"], dict), "costs", "an object", data["costs"])
+    for key in ("batches", "tokens"):
+        need(_is_int(data[key]) and data[key] >= 1, key, "an integer >= 1", data[key])
+    for key, kind in (("keep_modules", list), ("skipped", dict), ("meta", dict)):
+        if key in data:
+            need(isinstance(data[key], kind), key, "a list" if kind is list else "an object", data[key])
+    keep = data.get("keep_modules", [])
+    need(all(isinstance(m, str) for m in keep), "keep_modules", "a list of module names", keep)
+    meta = data.get("meta", {})
+    for key in ("batch_tokens", "batch_digests"):
+        if key in meta:
+            kind = _is_int if key == "batch_tokens" else (lambda v: isinstance(v, str))
+            need(isinstance(meta[key], list) and len(meta[key]) == data["batches"] and all(kind(v) for v in meta[key]),
+                 f"meta.{key}", f"a list of {data['batches']} {'integers' if key == 'batch_tokens' else 'strings'}",
+                 meta[key])
+    units = data["units"]
+    need(isinstance(units, list) and units, "units", "a non-empty list", units)
+    names = None
+    for i, u in enumerate(units):
+        where = f"units[{i}]"
+        need(isinstance(u, dict), where, "an object", u)
+        for key in ("index", "name", "modules", "bytes", "scores"):
+            if key not in u:
+                raise ValueError(f"missing field '{where}.{key}'")
+        need(_is_int(u["index"]), f"{where}.index", "an integer", u["index"])
+        if u["index"] != i:
+            raise ValueError(f"{where}.index is {u['index']}, not its position {i}: units must be listed in index "
+                             "order, each once, none missing (plans and set_active_units count positions)")
+        need(isinstance(u["name"], str), f"{where}.name", "a string", u["name"])
+        need(isinstance(u["modules"], list) and all(isinstance(m, str) for m in u["modules"]), f"{where}.modules",
+             "a list of module names", u["modules"])
+        need(_is_int(u["bytes"]) and u["bytes"] >= 0, f"{where}.bytes", "an integer >= 0", u["bytes"])
+        if u.get("layer") is not None:
+            need(_is_int(u["layer"]) and u["layer"] >= 0, f"{where}.layer", "an integer >= 0 or null", u["layer"])
+        if "op" in u:
+            need(isinstance(u["op"], str), f"{where}.op", "a string", u["op"])
+        sc = u["scores"]
+        need(isinstance(sc, dict) and all(_is_number(v) for v in sc.values()), f"{where}.scores",
+             "an object of score name -> number (or null)", sc)
+        if names is None:
+            names = set(sc)
+        elif set(sc) != names:
+            raise ValueError(f"{where}.scores has {sorted(sc)}, units[0].scores {sorted(names)}: every unit needs "
+                             "the same scores")
+    if not any(u["bytes"] > 0 for u in units):
+        raise ValueError("units: every unit has 0 bytes (nothing to plan)")
 
 
 def _json_safe(x: Any) -> Any:
@@ -355,14 +465,26 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _prepare_batches(model: nn.Module, batches: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
-    """Batches on the model's device with labels (padding -100), and each batch's target-token count."""
+def _prepare_batches(model: nn.Module, batches: Iterable[Mapping[str, Any]] | Mapping[str, Any]
+                     ) -> tuple[list[dict[str, Any]], list[int]]:
+    """Batches on the model's device with labels (padding -100), and each batch's target-token count.
+
+    A batch is any mapping with ``input_ids`` (a dict, a ``BatchEncoding`` from a tokenizer or a transformers
+    collator); ``batches`` is any iterable of them (a list, a ``torch.utils.data.DataLoader``: iterated once
+    here), or one mapping (one batch)."""
     device = _device(model)
+    if isinstance(batches, Mapping):
+        batches = [batches]
+    elif isinstance(batches, (str, bytes, torch.Tensor)) or not isinstance(batches, Iterable):
+        raise ValueError(f"batches must be a list (or DataLoader) of batches, each a mapping with input_ids; got "
+                         f"{type(batches).__name__}")
     out, counts = [], []
     for i, b in enumerate(batches):
-        if not isinstance(b, dict) or "input_ids" not in b:
-            raise ValueError(f"batch {i} must be a dict with input_ids (and attention_mask, labels)")
-        b = {k: (torch.as_tensor(v) if isinstance(v, (list, tuple)) else v) for k, v in b.items()}
+        if not isinstance(b, Mapping) or "input_ids" not in b:
+            got = type(b).__name__ if not isinstance(b, Mapping) else f"keys {sorted(map(str, b))}"
+            raise ValueError(f"batch {i} must be a mapping (dict, BatchEncoding) with input_ids (and attention_mask, "
+                             f"labels); got {got}")
+        b = {k: (torch.as_tensor(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(b).items()}
         b = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
         if b["input_ids"].dim() == 1:
             b = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) and v.dim() == 1 else v) for k, v in b.items()}
@@ -380,6 +502,20 @@ def _prepare_batches(model: nn.Module, batches: Iterable[dict[str, Any]]) -> tup
     if not out:
         raise ValueError("batches is empty: give at least one batch of training data")
     return out, counts
+
+
+def _batch_digest(batch: dict[str, Any]) -> str:
+    """A short fingerprint of a prepared batch's ``input_ids``, ``labels`` and ``attention_mask``: which data it is."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in ("input_ids", "labels", "attention_mask"):
+        v = batch.get(key)
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu", torch.int64).contiguous()
+            h.update(f"{key}{tuple(t.shape)}".encode())
+            h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
@@ -738,9 +874,12 @@ def profile_sensitivity(
         model: a model prepared with :func:`gnmr_hf.prepare_dual_path` (``units="linears"`` for one unit per
             linear), optionally PEFT-wrapped (needed for ``lora_grad``). Profiled in eval mode (dropout off);
             its training mode, its units' paths and its parameters' gradients are restored afterwards.
-        batches: dicts with ``input_ids``, ``attention_mask`` and ``labels`` (-100 where no loss; derived
-            from ``input_ids`` and the mask when missing), e.g. a few batches of the training data as the
-            Trainer's collator makes them.
+        batches: mappings (a dict, a ``BatchEncoding``) with ``input_ids``, ``attention_mask`` and ``labels``
+            (-100 where no loss; derived from ``input_ids`` and the mask when missing), e.g. a few batches of
+            the training data as the Trainer's collator makes them; a list of them, a
+            ``torch.utils.data.DataLoader`` (iterated once: :func:`plan` must see the same batches again, so
+            pass a list or an unshuffled loader), or one mapping. The profile records each batch's
+            target-token count and fingerprint (``meta``), which :func:`plan` checks.
         criteria: names from :data:`CRITERIA` (a comma-separated string, or ``"all"``); see the module
             docstring. ``lora_grad`` on a model without trainable parameters in the units is skipped
             with a warning (and listed in ``profile.skipped``).
@@ -787,7 +926,8 @@ def profile_sensitivity(
     base = unwrap_model(model)
     meta = {"model": type(base).__name__, "name_or_path": str(getattr(getattr(base, "config", None),
                                                                       "_name_or_path", "") or ""),
-            "device": str(_device(model)), "batch_tokens": counts}
+            "device": str(_device(model)), "batch_tokens": counts,
+            "batch_digests": [_batch_digest(b) for b in prepared]}
     return SensitivityProfile(units=out_units, criteria=[n for n in names if n not in skipped], losses=losses,
                               costs=costs, batches=len(prepared), tokens=total, keep_modules=_keep_modules(model),
                               skipped=skipped, meta=meta)
@@ -846,9 +986,10 @@ class PrecisionPlan:
                  f"{100 * self.fraction:.1f} % of the quantised weights' BF16 bytes (budget "
                  f"{self.budget_bytes / 2**20:.1f} MiB, {100 * self.budget_fraction:.1f} %)"]
         if self.predicted_gap_closed is not None:
-            lines.append(f"  predicted gap closed (sum of single {self.gain_score} gains): {self.predicted_gap_closed:.3f}")
+            lines.append(f"  predicted gap closed (sum of single {self.gain_score} gains): "
+                         f"{_fmt(self.predicted_gap_closed, '.3f')}")
         for where, m in self.measured.items():
-            lines.append(f"  measured gap closed on {where}: {m['gap_closed']:.3f} (L_low {m['loss_low']:.4f}, "
+            lines.append(f"  measured gap closed on {where}: {_fmt(m['gap_closed'], '.3f')} (L_low {m['loss_low']:.4f}, "
                          f"L_plan {m['loss_plan']:.4f}, L_high {m['loss_high']:.4f})")
         if self.names:
             lines.append("  units: " + ", ".join(self.names))
@@ -864,16 +1005,80 @@ class PrecisionPlan:
         })
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{int(n)} B"
+
+
+def budget_error(sizes: Sequence[int], budget: int, names: Sequence[str] | None = None) -> str | None:
+    """Why a budget of ``budget`` extra BF16 bytes cannot be planned over units of ``sizes`` bytes (None if it can):
+    it buys no unit (below the smallest one), or it exceeds the quantised weights' BF16 bytes (the sum)."""
+    total = sum(sizes)
+    positive = [(b, i) for i, b in enumerate(sizes) if b > 0]
+    if not positive:
+        return "the units hold no bytes to plan"
+    smallest, where = min(positive)
+    unit = f" ({names[where]})" if names else ""
+    bounds = (f"the smallest unit{unit} is {smallest} B ({_mib(smallest)}), all {len(sizes)} units total {total} B "
+              f"({_mib(total)})")
+    if budget < smallest:
+        return f"budget {budget} B ({_mib(budget)}) buys no unit: {bounds}"
+    if budget > total:
+        return f"budget {budget} B ({_mib(budget)}) exceeds what there is to keep on BF16: {bounds}"
+    return None
+
+
 def _budget(profile: SensitivityProfile, budget_bytes: int | None, budget_fraction: float | None) -> int:
     if (budget_bytes is None) == (budget_fraction is None):
         raise ValueError("give exactly one of budget_bytes and budget_fraction")
     if budget_fraction is not None:
-        if not (isinstance(budget_fraction, (int, float)) and 0 <= budget_fraction <= 1):
-            raise ValueError(f"budget_fraction must be in [0, 1], got {budget_fraction!r}")
-        return int(budget_fraction * profile.total_bytes)
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
-    return budget_bytes
+        if not (isinstance(budget_fraction, (int, float)) and not isinstance(budget_fraction, bool)
+                and 0 < budget_fraction <= 1):
+            raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
+        budget = int(budget_fraction * profile.total_bytes)
+    else:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
+        budget = budget_bytes
+    why = budget_error([u.bytes for u in profile.units], budget, [u.name for u in profile.units])
+    if why:
+        given = f"budget_fraction {budget_fraction!r}: " if budget_fraction is not None else ""
+        raise ValueError(given + why)
+    return budget
+
+
+def _check_same_units(profile: SensitivityProfile, info: list[_Unit]) -> None:
+    """The model's units must be the profile's (same count, names and bytes, in order)."""
+    if len(info) != len(profile.units):
+        raise ValueError(f"the model is not the profiled one: the profile has {len(profile.units)} units, the model "
+                         f"{len(info)} ({type(info[0].module).__name__ if info else '-'} ...)")
+    for i, (u, m) in enumerate(zip(profile.units, info)):
+        if (u.name, u.bytes) != (m.name, m.bytes):
+            raise ValueError(f"the model is not the profiled one: unit {i} is {u.name} ({u.bytes} B) in the profile, "
+                             f"{m.name} ({m.bytes} B) in the model")
+
+
+def _check_same_batches(profile: SensitivityProfile, prepared: list[dict[str, Any]], counts: list[int]) -> None:
+    """``batches`` must be the profile's own (its L_low and L_high are reused): compared by fingerprint when
+    the profile has them, else by target-token counts (profiles written before fingerprints were recorded)."""
+    hint = ("; plan(batches=) takes the profile's own batches (its L_low and L_high are reused), other data goes "
+            "in heldout= (a shuffling DataLoader gives other batches on each pass: pass a list)")
+    meta = profile.meta or {}
+    if len(prepared) != profile.batches:
+        raise ValueError(f"batches are not the profile's: {len(prepared)} batch(es), the profile saw {profile.batches}"
+                         + hint)
+    digests, tokens = meta.get("batch_digests"), meta.get("batch_tokens")
+    if digests is not None:
+        for i, (b, d) in enumerate(zip(prepared, digests)):
+            if _batch_digest(b) != d:
+                raise ValueError(f"batches are not the profile's: batch {i} differs from the profiled one (token ids, "
+                                 "labels or mask)" + hint)
+    elif tokens is not None:
+        if list(counts) != list(tokens):
+            raise ValueError(f"batches are not the profile's: target tokens per batch {counts}, the profile saw "
+                             f"{list(tokens)}" + hint)
+    elif sum(counts) != profile.tokens:
+        raise ValueError(f"batches are not the profile's: {sum(counts)} target tokens, the profile saw "
+                         f"{profile.tokens}" + hint)
 
 
 def greedy_select(scores: Sequence[float], sizes: Sequence[int], budget: int) -> list[int]:
@@ -920,11 +1125,17 @@ def plan(
         criterion: the score to plan by (default: :data:`DEFAULT_CRITERION` if in the profile, else the
             first present).
         model, batches, heldout, units: for the measurement (the model the profile was taken on; ``batches``
-            must be the profile's own, whose L_low and L_high the profile holds).
+            must be the profile's own, whose L_low and L_high the profile holds). Both are checked: the model's
+            units (count, names, bytes) against the profile's, the batches against the fingerprints (or, for an
+            older profile, the target-token counts) the profile recorded; a mismatch is a ValueError.
         heldout_reference: ``(L_low, L_high)`` on ``heldout`` when already measured (saves two forwards).
 
     Returns:
         A :class:`PrecisionPlan`; :func:`skip_modules` turns it into ``llm_int8_skip_modules``.
+
+    Raises:
+        ValueError: a budget that buys no unit (below the smallest unit's bytes) or exceeds the total (the
+            message gives both), ``budget_fraction`` outside (0, 1], another model or other batches.
     """
     name = profile._score_name(criterion)
     budget = _budget(profile, budget_bytes, budget_fraction)
@@ -940,9 +1151,12 @@ def plan(
         predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
         keep_modules=list(profile.keep_modules))
     if model is not None:
+        _check_same_units(profile, _units(model, units))
         if batches is not None:
+            prepared, counts = _prepare_batches(model, batches)
+            _check_same_batches(profile, prepared, counts)
             ref = (profile.losses["low"], profile.losses["high"])
-            result.measured["profile"] = measure_plan(model, chosen, batches, reference=ref, units=units)
+            result.measured["profile"] = measure_plan(model, chosen, prepared, reference=ref, units=units)
         if heldout is not None:
             result.measured["heldout"] = measure_plan(model, chosen, heldout, reference=heldout_reference,
                                                       units=units)
@@ -972,6 +1186,13 @@ def measure_plan(
     """
     indices = list(chosen.indices if isinstance(chosen, PrecisionPlan) else chosen)
     info = _units(model, units)
+    bad = [i for i in indices if not _is_int(i) or not 0 <= i < len(info)]
+    if bad:
+        raise ValueError(f"unit indices {bad[:5]} are not units of this model (it has {len(info)}: 0 to {len(info) - 1})")
+    if isinstance(chosen, PrecisionPlan) and len(chosen.names) == len(indices):
+        for i, name in zip(indices, chosen.names):
+            if info[i].name != name:
+                raise ValueError(f"the plan is not for this model: its unit {i} is {name}, the model's is {info[i].name}")
     prepared, counts = _prepare_batches(model, batches)
     weights = [n / sum(counts) for n in counts]
     from gnmr_hf.backends.base import active_units
@@ -1029,33 +1250,49 @@ def skip_modules(chosen: PrecisionPlan | SensitivityProfile | Sequence[str], kee
     return out
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+_UNITS = {"b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_budget(text: str) -> tuple[int | None, float | None]:
-    """``"10%"`` -> (None, 0.1); ``"0.1"`` -> (None, 0.1); ``"300MB"``, ``"2GiB"``, ``"123456"`` -> (bytes, None).
+    """``"10%"`` -> (None, 0.1); ``"0.1"`` -> (None, 0.1); ``"300MB"``, ``"2GiB"``, ``"123456B"`` -> (bytes, None).
 
-    A bare number at most 1 is a fraction; above 1 it is bytes.
+    Units: ``%`` (of the quantised weights' BF16 bytes, in (0, 100]), ``B``, ``KB``/``KiB``, ``MB``/``MiB``,
+    ``GB``/``GiB`` (1000 and 1024 powers; case and spaces ignored). A bare number is a fraction, and only in
+    (0, 1]; above 1 it is ambiguous (a percentage? bytes?) and is refused: give a unit. Whether a budget buys
+    at least the smallest unit and stays within the total is checked by :func:`plan` (it needs the profile).
 
     Raises:
-        ValueError: anything else (the message says what is accepted).
+        ValueError: anything else, in one line starting with ``budget 'TEXT'`` (what is accepted).
     """
     s = str(text).strip().lower().replace(" ", "")
-    bad = ValueError(f"budget {text!r} is not a percentage (10%), a fraction (0.1) or a size (300MB, 2GiB, 123456)")
+    accepted = "a percentage (10%), a fraction in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B)"
+    bad = ValueError(f"budget {text!r} is not {accepted}")
     mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)(%|[a-z]*)", s)
     if not mt:
         raise bad
     value, unit = float(mt.group(1)), mt.group(2)
+    if not math.isfinite(value):
+        raise bad
     if unit == "%":
-        if not 0 <= value <= 100:
-            raise ValueError(f"budget {text!r}: a percentage must be in [0, 100]")
+        if not 0 < value <= 100:
+            raise ValueError(f"budget {text!r}: a percentage must be in (0, 100] (0 % keeps nothing on BF16)")
         return None, value / 100
-    if unit == "" and value <= 1:
-        return None, value
+    if unit == "":
+        if 0 < value <= 1:
+            return None, value
+        if value == 0:
+            raise ValueError(f"budget {text!r} keeps nothing on BF16: give {accepted}")
+        raise ValueError(f"budget {text!r}: a bare number above 1 is ambiguous (percent? bytes?): give a unit "
+                         f"({mt.group(1)}% or {mt.group(1)}B, MB, MiB, ...), or a fraction in (0, 1]")
     if unit not in _UNITS:
         raise bad
-    return int(value * _UNITS[unit]), None
+    size = value * _UNITS[unit]
+    if size < 1:
+        raise ValueError(f"budget {text!r} is less than one byte")
+    if unit == "b" and size != int(size):
+        raise ValueError(f"budget {text!r}: a byte count must be a whole number")
+    return int(size), None
 
 
 def _pct(fraction: float) -> str:
@@ -1167,15 +1404,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gnmr-hf profile",
         description="Profile which quantised linears are worth keeping on BF16 (a few batches of the training "
                     "data, before training) and plan a byte budget: prints the price table, writes "
-                    "DIR/profile.json (skip_modules, units) and DIR/profile.png.",
+                    "DIR/profile.json (skip_modules, units) and DIR/profile.png, nothing else (the default "
+                    "generated training set is written to a temporary folder and removed).",
         epilog=PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
     p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
     p.add_argument("--budget", default="10%",
                    help="extra BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
-                        "(0.1) or a size (300MB, 2GiB); default 10%%")
-    p.add_argument("--output", "-o", required=True, help="output folder (profile.json, profile.png)")
+                        "in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B; a bare number above 1 is "
+                        "refused as ambiguous); it must buy at least the smallest linear and stay within the total "
+                        "(checked once the model is loaded, before profiling); default 10%%")
+    p.add_argument("--output", "-o", required=True,
+                   help="output folder (profile.json, profile.png; created if missing; an existing file is refused)")
     p.add_argument("--data", default=None,
                    help="training data: a .json/.jsonl file or folder in the recipe's schema (tokenised as "
                         "recipes/finetune.py does), or a text file (.txt/.rst/.md: chunks of --max-seq-len tokens); "
@@ -1190,7 +1431,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="tokens per example (default: the recipe's; 512 for a text file)")
     p.add_argument("--heldout-batches", type=int, default=0,
-                   help="also measure the plans on the next N batches of the data (default 0)")
+                   help="also measure the plans on the next N batches of the data (default 0); refused when the "
+                        "data has nothing left after the profile batches, a warning when it has less than asked")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--storage", default="host", choices=("host", "device", "disk"),
@@ -1212,8 +1454,8 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as e:
         print(f"gnmr-hf profile: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
-        print(f"gnmr-hf profile: error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"gnmr-hf profile: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
 
 
@@ -1226,8 +1468,9 @@ def _finetune_module(recipes: Path):
     return module
 
 
-def _load_recipe(args: argparse.Namespace, out: Path):
-    """The recipe's finetune module and configuration (its data, templates, batch size and LoRA)."""
+def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
+    """The recipe's finetune module and configuration (its data, templates, batch size and LoRA). The default
+    generated training set is written under ``scratch`` (a temporary folder), not the output folder."""
     from gnmr_hf.demo import DemoError, find_recipes
 
     try:
@@ -1239,7 +1482,7 @@ def _load_recipe(args: argparse.Namespace, out: Path):
                                                                                    else "nf4.yaml")
     if not recipe_file.is_file():
         raise ProfileError(f"recipe {recipe_file} not found")
-    argv = ["--config", str(recipe_file), "--output_dir", str(out), "--data_dir", str(out / "data")]
+    argv = ["--config", str(recipe_file), "--output_dir", str(out), "--data_dir", str(scratch / "data")]
     if args.data and Path(args.data).suffix.lower() not in _TEXT_SUFFIXES:
         argv += ["--dataset", args.data]
     if args.max_seq_len:
@@ -1284,6 +1527,47 @@ def _record_batches(finetune, recipe, tokenizer, n_batches: int, batch_size: int
             for i in range(0, len(rows), batch_size)]
 
 
+# what a tokenizer folder holds (tokenizer.save_pretrained writes one of these, with tokenizer_config.json)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def _load_tokenizer(model_path: Path, shown: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:  # transformers raises ValueError, OSError, TypeError ... depending on what is missing
+        present = [f for f in _TOKENIZER_FILES if (Path(model_path) / f).is_file()]
+        if not present:
+            raise ProfileError(
+                f"--model {shown}: the folder has no tokenizer files (it needs tokenizer.json, or tokenizer.model "
+                "or vocab.json + merges.txt, with tokenizer_config.json: what tokenizer.save_pretrained(folder) "
+                "writes)") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ProfileError(f"--model {shown}: its tokenizer ({', '.join(present)}) did not load: "
+                           f"{type(e).__name__}: {first}") from None
+
+
+def _check_output(out: Path, shown: str) -> None:
+    """``--output`` must be a folder or creatable as one (refused before anything is loaded or written)."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ProfileError(f"--output {shown}: " + ("an existing file, not a folder" if p == out else
+                                                            f"{p} is a file, not a folder"))
+            if not os.access(p, os.W_OK):
+                raise ProfileError(f"--output {shown}: {p} is not writable")
+            return
+
+
+def _examples(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """Examples and target tokens in prepared-or-collated batches."""
+    rows = sum(int(b["input_ids"].shape[0]) for b in batches)
+    tokens = sum(int((b["labels"][..., 1:] != -100).sum()) for b in batches)
+    return rows, tokens
+
+
 def _run(args: argparse.Namespace) -> int:
     budget_bytes, budget_fraction = parse_budget(args.budget)
     criteria = _criteria(args.criterion)
@@ -1295,6 +1579,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ProfileError(f"--heldout-batches must be >= 0, got {args.heldout_batches}")
     if args.data and not Path(args.data).exists():
         raise ProfileError(f"--data {args.data}: no such file or folder")
+    out = Path(args.output).resolve()
+    _check_output(out, args.output)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -1303,8 +1589,6 @@ def _run(args: argparse.Namespace) -> int:
 
     for pkg in ("transformers", "bitsandbytes", "peft", "datasets"):
         require(pkg, "gnmr-hf profile")
-    out = Path(args.output).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
     # the model folder
@@ -1320,23 +1604,47 @@ def _run(args: argparse.Namespace) -> int:
             raise ProfileError(f"--model {args.model}: no *.safetensors files (the BF16 weights the recovery path "
                                "reads)")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    finetune, recipe = _load_recipe(args, out)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = _load_tokenizer(model_path, args.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    batch_size = args.batch_size or recipe.training.per_device_train_batch_size
-    n_total = args.batches + args.heldout_batches
-    print(f"[profile] data: {args.data or 'the recipes generated training set'} ({n_total} batch(es) of {batch_size})",
-          flush=True)
-    if args.data and Path(args.data).suffix.lower() in _TEXT_SUFFIXES:
-        all_batches = _text_batches(Path(args.data), tokenizer, n_total, batch_size, args.max_seq_len or 512)
-    else:
-        all_batches = _record_batches(finetune, recipe, tokenizer, n_total, batch_size, out)
+    import tempfile
+
+    # the generated training set (no --data) goes to a temporary folder: DIR holds profile.json and profile.png only
+    with tempfile.TemporaryDirectory(prefix="gnmr-hf-profile-") as scratch:
+        finetune, recipe = _load_recipe(args, out, Path(scratch))
+        batch_size = args.batch_size or recipe.training.per_device_train_batch_size
+        n_total = args.batches + args.heldout_batches
+        text = bool(args.data) and Path(args.data).suffix.lower() in _TEXT_SUFFIXES
+        if text:
+            seq_len = args.max_seq_len or 512
+            all_batches = _text_batches(Path(args.data), tokenizer, n_total, batch_size, seq_len)
+        else:
+            all_batches = _record_batches(finetune, recipe, tokenizer, n_total, batch_size, out)
     batches, heldout = all_batches[:args.batches], all_batches[args.batches:]
     if not batches:
         raise ProfileError("the data gave no batch")
+    what = f"piece(s) of up to {seq_len} tokens" if text else "example(s)"
+    rows, tokens = _examples(batches)
+    used = (f"[profile] data: {args.data or 'the recipes generated training set'}: profiling {len(batches)} batch(es) "
+            f"({rows} {what}, {tokens} target tokens; batch size {batch_size})")
+    if args.heldout_batches:
+        if not heldout:
+            raise ProfileError(
+                f"--heldout-batches {args.heldout_batches}: the data has nothing left for held-out batches (all "
+                f"{rows} {what} went to the {len(batches)} profile batch(es)): give more data, fewer --batches, or "
+                "--heldout-batches 0")
+        h_rows, h_tokens = _examples(heldout)
+        used += f", held-out {len(heldout)} batch(es) ({h_rows} {what}, {h_tokens} target tokens)"
+    print(used, flush=True)
+    if rows < args.batches * batch_size:
+        print(f"gnmr-hf profile: warning: --batches {args.batches} x batch size {batch_size} asked for "
+              f"{args.batches * batch_size} {what}; the data gave {rows}", file=sys.stderr, flush=True)
+    if args.heldout_batches and h_rows < args.heldout_batches * batch_size:
+        print(f"gnmr-hf profile: warning: --heldout-batches {args.heldout_batches} x batch size {batch_size} asked "
+              f"for {args.heldout_batches * batch_size} {what}; the data left {h_rows} in {len(heldout)} batch(es)",
+              file=sys.stderr, flush=True)
 
     import gnmr_hf
 
@@ -1355,6 +1663,13 @@ def _run(args: argparse.Namespace) -> int:
         keep_reference_layout(model)
     model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=args.storage, units="linears",
                                       dtype=dtype)
+    # the budget against the model's linears, before the profile costs anything
+    info = _units(model, None)
+    sizes, unit_names = [u.bytes for u in info], [u.name for u in info]
+    want = budget_bytes if budget_bytes is not None else int(budget_fraction * sum(sizes))
+    why = budget_error(sizes, want, unit_names)
+    if why:
+        raise ProfileError(f"--budget {args.budget}: {why}")
     if "lora_grad" in criteria:
         import peft
 
@@ -1374,8 +1689,10 @@ def _run(args: argparse.Namespace) -> int:
         ref = measure_plan(model, [], heldout)
         kw.update(heldout=heldout, heldout_reference=(ref["loss_low"], ref["loss_high"]))
     main_plan = plan(prof, budget_bytes, budget_fraction=budget_fraction, criterion=name, **kw)
+    # price points that buy no unit on this model (a tiny one) are left out
     price = [plan(prof, budget_fraction=f, criterion=name, **kw) for f in PRICE_POINTS
-             if budget_fraction is None or abs(f - budget_fraction) > 1e-9]
+             if (budget_fraction is None or abs(f - budget_fraction) > 1e-9)
+             and budget_error(sizes, int(f * prof.total_bytes)) is None]
     price = sorted(price + [main_plan], key=lambda p: p.budget_bytes)
 
     print()
@@ -1391,6 +1708,7 @@ def _run(args: argparse.Namespace) -> int:
     skips = main_plan.skip_modules()
     units_json = [{"index": u.index, "name": u.name, "bytes": u.bytes, "score": u.scores[name],
                    "modules": u.modules, "layer": u.layer, "op": u.op, "scores": u.scores} for u in prof.units]
+    out.mkdir(parents=True, exist_ok=True)
     path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
                         plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
                         command="gnmr-hf profile " + shlex.join(args.argv))
