@@ -109,7 +109,10 @@ def find_linear_units(model: nn.Module) -> list[Unit]:
             elif _is_linear(m) and sub:
                 units.append((f"{layer_name}.{sub}", m))
     if not units:
-        raise ValueError(f"no linear layer inside the decoder layers of {type(model).__name__}")
+        found = sorted({type(m).__name__ for _, layer in find_decoder_layers(model) for m in layer.modules()
+                        if not list(m.children())})
+        raise ValueError(f"no linear layer inside the decoder layers of {type(model).__name__} (they hold "
+                         f"{', '.join(found) or 'no leaf module'}): this layout needs explicit units")
     return units
 
 
