@@ -1,4 +1,4 @@
-"""The ``gnmr-hf`` command: ``gnmr-hf demo | eval | report | profile ...``.
+"""The ``gnmr-hf`` command: ``gnmr-hf demo | eval | report | profile | export ...``.
 
 Each sub-command lives in its own module and is imported only when used, so ``gnmr-hf --help``
 stays fast and needs none of the optional dependencies.
@@ -16,6 +16,8 @@ _COMMANDS = {
     "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),
     "profile": ("gnmr_hf.profile", "before training: which quantised linears to keep on BF16 for a byte budget "
                                    "(price table, llm_int8_skip_modules list, plot)"),
+    "export": ("gnmr_hf.export", "write the planned mixed model as a folder stock from_pretrained loads with no "
+                                 "arguments (or --merge: the adapter folded into BF16)"),
 }
 
 

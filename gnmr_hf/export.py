@@ -1,0 +1,261 @@
+"""A checkpoint anyone can load: the planned mixed model as a pre-quantised bitsandbytes folder.
+
+``export_planned(model_path, profile_json, out_dir)`` (and ``gnmr-hf export``) writes a folder that stock
+``AutoModelForCausalLM.from_pretrained(folder)`` loads with no arguments as the planned mixed model: the
+quantised linears in bitsandbytes' 4-bit (NF4 / FP4) or INT8 serialisation, the planned linears (and
+``lm_head``) in BF16, ``config.json``'s ``quantization_config`` listing them in ``llm_int8_skip_modules``
+by full dotted name, the tokenizer, and a model card (``README.md``). It is the layout of the
+pre-quantised ``*-bnb-4bit`` checkpoints practitioners share.
+
+Serving names: each entry is a module's full dotted name (``model.layers.1.self_attn.v_proj``), which
+selects exactly that module under transformers' rule (an entry matches from the start of a name up to a
+module boundary, as a regex, or as a suffix) and vLLM's (a dotted-name prefix): ``layers.1`` never catches
+``layers.11``. :func:`selected_by` applies both rules; the tests check every exported entry with it.
+
+``merge=True`` writes a merged BF16 model instead: the adapter folded into the original BF16 weights (not
+into the quantised ones), the portable route for a server without bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+QUANTS = ("nf4", "fp4", "int8")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+class ExportError(ValueError):
+    """Bad input to the export, refused before anything is written (one line)."""
+
+
+def transformers_selects(entry: str, name: str) -> bool:
+    """transformers' ``should_convert_module`` rule (5.x): ``entry`` keeps ``name`` unquantised."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return bool(re.match(rf"(?:{entry}){boundary}", name)) or name.endswith(entry)
+
+
+def vllm_selects(entry: str, name: str) -> bool:
+    """vLLM's rule for ``llm_int8_skip_modules``: a dotted-name prefix."""
+    return name == entry or name.startswith(entry + ".")
+
+
+def selected_by(entry: str, names: list[str]) -> dict[str, list[str]]:
+    """The module names ``entry`` selects under each rule."""
+    return {"transformers": [n for n in names if transformers_selects(entry, n)],
+            "vllm": [n for n in names if vllm_selects(entry, n)]}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, Any]]:
+    path = Path(profile_json)
+    if path.is_dir():
+        path = path / "profile.json"
+    if not path.is_file():
+        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
+    from gnmr_hf.profile import SensitivityProfile
+
+    try:
+        SensitivityProfile.from_json(path)  # validates the fields (one-line errors naming them)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    data = json.loads(path.read_text())
+    skips = data.get("skip_modules")
+    if not isinstance(skips, list) or not all(isinstance(s, str) for s in skips) or not skips:
+        raise ExportError(f"{path} has no skip_modules list: make it with gnmr-hf profile --budget")
+    return skips, data
+
+
+def _check_model_folder(model_path: Path) -> dict[str, Any]:
+    if not (model_path / "config.json").is_file():
+        raise ExportError(f"{model_path} is not a model folder (no config.json)")
+    if not list(model_path.glob("*.safetensors")):
+        raise ExportError(f"{model_path} holds no .safetensors weights (the BF16 checkpoint is needed)")
+    config = json.loads((model_path / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
+                          "export from the original BF16 checkpoint")
+    return config
+
+
+def _check_out(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        if not force:
+            raise ExportError(f"{out_dir} exists and is not empty: choose another folder or pass --force")
+        if not out_dir.is_dir():
+            raise ExportError(f"{out_dir} is a file")
+
+
+def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLike, out_dir: str | os.PathLike,
+                   quant: str = "nf4", adapter: str | os.PathLike | None = None, merge: bool = False,
+                   force: bool = False, double_quant: bool = False) -> dict[str, Any]:
+    """Write the planned mixed model (or, with ``merge``, the merged BF16 model) to ``out_dir``.
+
+    Returns a summary: the folder, its size on disk, the all-low and BF16 sizes for comparison, the kept
+    modules. Bad input raises :class:`ExportError` before anything is written; the folder is built beside
+    ``out_dir`` and renamed into place, so an interrupted export leaves no half-written folder.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    from gnmr_hf.memory import model_bytes
+
+    if quant not in QUANTS:
+        raise ExportError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    _check_model_folder(model_path)
+    skips, profile = _read_plan(profile_json)
+    if merge and adapter is None:
+        raise ExportError("--merge folds an adapter into the BF16 weights: give --adapter DIR")
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
+    _check_out(out_dir, force)
+
+    # the plan must name this model's linears: every entry selects exactly one module, under both rules
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    names = [n for n, _ in meta.named_modules() if n]
+    linears = {n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)}
+    for entry in skips:
+        sel = selected_by(entry, names)
+        if entry not in names:
+            raise ExportError(f"the plan names {entry!r}, which is not a module of {model_path} "
+                              f"({len(linears)} linears, e.g. {sorted(linears)[0]}): a plan made for another model?")
+        if sel["transformers"] != [entry] or sel["vllm"] != [entry]:
+            raise ExportError(f"skip entry {entry!r} selects {sel} (not exactly itself)")
+    from gnmr_hf.memory import predict_model_bytes
+
+    low = "nf4" if merge else quant
+    all_low_bytes = predict_model_bytes(meta, sorted(n for n in linears if ".layers." in n), low,
+                                        double_quant=double_quant)["total"]
+    units = profile.get("units", [])
+    decoder_linears = [n for n in linears if ".layers." in n]
+    if units and len(units) != len(decoder_linears) and len(units) != meta.config.num_hidden_layers:
+        raise ExportError(f"the profile has {len(units)} units; {model_path} has {len(decoder_linears)} decoder "
+                          f"linears and {meta.config.num_hidden_layers} layers: a profile of another model")
+    del meta
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        if merge:
+            import peft
+
+            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+            merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+            merged.save_pretrained(tmp)
+            held = model_bytes(merged)
+            kind = "merged BF16 (adapter folded into the original weights)"
+        else:
+            if quant == "int8":
+                q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skips)
+            else:
+                q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                                       bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=double_quant,
+                                       llm_int8_skip_modules=skips)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, quantization_config=q)
+            model.save_pretrained(tmp)
+            held = model_bytes(model)
+            kind = f"{quant.upper()} with the plan on BF16"
+            if adapter is not None:
+                shutil.copytree(adapter, tmp / "adapter")
+        for f in _TOKENIZER_FILES:
+            if (model_path / f).is_file() and not (tmp / f).exists():
+                shutil.copy2(model_path / f, tmp / f)
+        size = _dir_bytes(tmp)
+        bf16_size = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
+        summary = {"folder": str(out_dir), "kind": kind, "quant": None if merge else quant, "kept": skips,
+                   "bytes_on_disk": size, "bf16_checkpoint_bytes": bf16_size, "all_low_weights_bytes": all_low_bytes, "weights_held_bytes": held["total"],
+                   "plan": profile.get("plan"), "price": profile.get("price")}
+        (tmp / "README.md").write_text(model_card(summary, model_path, adapter is not None, merge))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def model_card(summary: dict[str, Any], model_path: Path, has_adapter: bool, merge: bool) -> str:
+    """The exported folder's README.md: what was kept and why, the price, the commands."""
+    mib = 2**20
+    plan = summary.get("plan") or {}
+    lines = ["---", "library_name: transformers", "tags: [gnmr_hf, bitsandbytes, mixed-precision]", "---", "",
+             f"# {model_path.name}: {summary['kind']}", "",
+             f"Exported by `gnmr-hf export` from `{model_path}`.", ""]
+    if merge:
+        lines += ["The LoRA adapter is folded into the original BF16 weights: a plain BF16 checkpoint.", ""]
+    else:
+        lines += [f"The linears below stay in BF16; every other decoder linear is stored by bitsandbytes in "
+                  f"{summary['quant'].upper()}. They were chosen by `gnmr-hf profile`: the linears worth the most "
+                  "held-out loss per byte on the user's data, within the budget.", "",
+                  "Kept unquantised (`quantization_config.llm_int8_skip_modules`, full dotted names: each selects "
+                  "exactly its module under transformers' and vLLM's matching rules):", ""]
+        lines += [f"- `{m}`" for m in summary["kept"]]
+        lines.append("")
+    lines += ["| | size |", "|---|---|",
+              f"| this folder on disk | {summary['bytes_on_disk'] / mib:.1f} MiB |",
+              f"| the BF16 checkpoint's weights | {summary['bf16_checkpoint_bytes'] / mib:.1f} MiB |",
+              f"| all decoder linears in {(summary['quant'] or 'nf4').upper()} (predicted, gnmr_hf.memory) | "
+              f"{summary['all_low_weights_bytes'] / mib:.1f} MiB |",
+              f"| weights held when loaded (parameters, buffers, quant states) | {summary['weights_held_bytes'] / mib:.1f} MiB |",
+              ""]
+    if plan:
+        lines.append(f"Plan: {len(plan.get('indices', []))} linears, {100 * plan.get('fraction', 0):.1f} % of the "
+                     "quantised weights' BF16 bytes.")
+        for where, m in (plan.get("measured") or {}).items():
+            lines.append(f"Measured gap closed on {where}: {m.get('gap_closed', float('nan')):.3f} "
+                         f"(loss all-low {m.get('loss_low', float('nan')):.4f}, plan {m.get('loss_plan', float('nan')):.4f}, "
+                         f"BF16 {m.get('loss_high', float('nan')):.4f}).")
+        lines.append("")
+    lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+              "model = AutoModelForCausalLM.from_pretrained(FOLDER)   # no arguments: the config says it all",
+              "tokenizer = AutoTokenizer.from_pretrained(FOLDER)", "```", ""]
+    if has_adapter:
+        lines += ["The adapter trained on this base is in `adapter/`: "
+                  "`peft.PeftModel.from_pretrained(model, FOLDER + '/adapter')`.", ""]
+    lines += ["Fine-tune: `accelerate launch recipes/finetune.py --config recipes/smollm2-135m/planned-nf4.yaml "
+              "--model FOLDER` (or any PEFT LoRA setup). Evaluate: `gnmr-hf eval --model FOLDER ...` (docs/eval.md).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="gnmr-hf export", description="Write the planned mixed model as a folder stock "
+                                "transformers loads with no arguments (pre-quantised bitsandbytes + BF16 plan).",
+                                epilog="example: gnmr-hf export --model ~/.cache/gnmr_hf/smollm2-135m-instruct "
+                                       "--plan prof/ --output smollm2-planned-nf4")
+    p.add_argument("--model", required=True, help="the BF16 model folder (safetensors), or an offline alias")
+    p.add_argument("--plan", required=True, help="profile.json (or the folder holding it) from gnmr-hf profile --budget")
+    p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty)")
+    p.add_argument("--quant", default="nf4", choices=QUANTS)
+    p.add_argument("--double-quant", action="store_true", help="4-bit: quantise the scales too")
+    p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/)")
+    p.add_argument("--merge", action="store_true", help="write the adapter merged into the BF16 weights instead")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    args = p.parse_args(argv)
+    from gnmr_hf.offline.gguf_models import resolve_model
+
+    try:
+        s = export_planned(resolve_model(args.model), args.plan, args.output, quant=args.quant, adapter=args.adapter,
+                           merge=args.merge, force=args.force, double_quant=args.double_quant)
+    except (ExportError, FileNotFoundError) as e:
+        print(f"gnmr-hf export: error: {e}", file=sys.stderr)
+        return 2
+    mib = 2**20
+    print(f"wrote {s['folder']} ({s['kind']}): {s['bytes_on_disk'] / mib:.1f} MiB on disk; the BF16 checkpoint "
+          f"{s['bf16_checkpoint_bytes'] / mib:.1f} MiB, all-{(s['quant'] or 'nf4').upper()} weights "
+          f"{s['all_low_weights_bytes'] / mib:.1f} MiB (predicted); {len(s['kept'])} module(s) kept unquantised")
+    return 0
