@@ -29,6 +29,7 @@ _LAZY = {
     "gemma3_checkpoint": "gnmr_hf.offline.gguf_models",
     "prepare_for_training": "gnmr_hf.training",
     "export_planned": "gnmr_hf.export",
+    "load_planned": "gnmr_hf.ladder",
     "profile_sensitivity": "gnmr_hf.profile",
     "plan": "gnmr_hf.profile",
     "measure_plan": "gnmr_hf.profile",
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
     from gnmr_hf.export import export_planned
+    from gnmr_hf.ladder import load_planned
     from gnmr_hf.offline.gguf_models import gemma3_checkpoint
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
     from gnmr_hf.profile import (

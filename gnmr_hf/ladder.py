@@ -1,0 +1,247 @@
+"""The precision ladder: each quantised linear on its 4-bit path, on INT8 or on BF16, planned under one
+memory budget over the 4-bit model, and loaded from stock bitsandbytes modules.
+
+Keeping a linear on BF16 costs ~1.44 bytes a weight over NF4 (2 against ~0.56 with its block scales);
+on INT8 (LLM.int8, row-wise, ``Linear8bitLt(has_fp16_weights=False)``) ~0.44, a third. Where the 4-bit
+error is spread over many linears, INT8 on three may buy more than BF16 on one.
+
+- :func:`rung_gains`: for every decoder linear of a stock-loaded 4-bit model and every rung, the
+  first-order gain ``-<dL/dy, y_rung - y_low>`` summed over the batches' tokens (``y_rung`` computed as
+  that rung computes: the BF16 checkpoint weight, or a real ``Linear8bitLt`` over it), from one forward
+  and backward at the all-low point; and each rung's price over the low path (``gnmr_hf.memory``).
+- :func:`choose_rungs`: the multiple-choice knapsack (at most one rung per linear) under a byte budget:
+  greedy by gain per byte over each linear's upper convex hull of (price, gain), upgrades included;
+  :func:`choose_rungs_exact` solves small instances exhaustively (the tests compare the two).
+- :func:`load_planned`: the mixed model from stock modules: ``Linear4bit`` (or ``Linear8bitLt``) for
+  the low linears, ``Linear8bitLt`` for the INT8 rungs, plain BF16 ``nn.Linear`` for the BF16 rungs.
+
+Serving: a checkpoint with both 4-bit and 8-bit linears is not something stock transformers loads from
+one ``quantization_config`` (one ``load_in_4bit`` / ``load_in_8bit`` per model), so ``gnmr-hf export``
+writes BF16 rungs only; for a ladder plan ``load_planned`` is the loader, and the merged route (the
+adapter folded into BF16) the portable one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUNGS = ("int8", "bf16")
+
+
+@dataclass
+class LadderUnit:
+    name: str  # the linear's full name in the stock-loaded model (model.layers.3.self_attn.v_proj)
+    numel: int
+    rows: int
+    gains: dict[str, float] = field(default_factory=dict)  # rung -> first-order gain (loss units)
+    prices: dict[str, int] = field(default_factory=dict)  # rung -> bytes over the low path
+
+
+def rung_prices(numel: int, rows: int, low: str = "nf4", double_quant: bool = False) -> dict[str, int]:
+    """Bytes each rung costs over ``low`` (the whole stored state counted, ``gnmr_hf.memory``)."""
+    from gnmr_hf.memory import weight_bytes
+
+    base = weight_bytes(numel, rows, low, double_quant=double_quant).total
+    return {r: weight_bytes(numel, rows, r).total - base for r in RUNGS}
+
+
+def _int8_module(weight, threshold: float = 6.0):
+    """A stock ``Linear8bitLt`` over ``weight`` (row-wise INT8, as transformers' ``load_in_8bit`` builds it)."""
+    import bitsandbytes as bnb
+    import torch
+
+    out_f, in_f = weight.shape
+    m = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=threshold)
+    m.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).cpu(), requires_grad=False, has_fp16_weights=False)
+    # eval mode, as a from_pretrained model starts (bitsandbytes' int8 matmul differs between the modes)
+    return m.to(weight.device).eval()
+
+
+def _checkpoint_weights(model_path: str | os.PathLike, names: list[str]) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    wanted = {f"{n}.weight" for n in names}
+    out = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k in wanted:
+                    out[k[: -len(".weight")]] = fh.get_tensor(k)
+    missing = sorted(set(names) - set(out))
+    if missing:
+        raise ValueError(f"{model_path} has no weight for {len(missing)} linear(s), e.g. {missing[0]}: "
+                         "another checkpoint than the model's?")
+    return out
+
+
+def decoder_low_linears(model) -> list[str]:
+    """The 4-bit / 8-bit linears inside the decoder layers of a stock-loaded model, in module order."""
+    import bitsandbytes as bnb
+
+    return [n for n, m in model.named_modules()
+            if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and ".layers." in n]
+
+
+def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", double_quant: bool = False,
+               int8_threshold: float = 6.0) -> list[LadderUnit]:
+    """Every decoder linear's first-order gain on each rung (see the module docstring).
+
+    ``model`` is the stock-loaded low model (``BitsAndBytesConfig(load_in_4bit=True, ...)``), ``model_path``
+    its BF16 checkpoint, ``batches`` dicts with ``input_ids`` and ``labels`` (any mapping).
+    """
+    import torch
+
+    names = decoder_low_linears(model)
+    if not names:
+        raise ValueError("rung_gains needs a bitsandbytes-quantised model: no 4-bit/8-bit linear in its decoder layers")
+    weights = _checkpoint_weights(model_path, names)
+    modules = dict(model.named_modules())
+    int8 = {n: _int8_module(weights[n].to(torch.float32), int8_threshold) for n in names}
+    units = [LadderUnit(n, weights[n].numel(), weights[n].shape[0],
+                        prices=rung_prices(weights[n].numel(), weights[n].shape[0], low, double_quant))
+             for n in names]
+    acc = {n: {r: 0.0 for r in RUNGS} for n in names}
+
+    def hook(name):
+        def fn(mod, inp, out):
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                return
+            x = inp[0].detach()
+            with torch.no_grad():
+                w = weights[name].to(device=x.device, dtype=x.dtype)
+                d = {"bf16": torch.nn.functional.linear(x, w) - out.detach(),
+                     "int8": int8[name](x).to(out.dtype) - out.detach()}
+
+            def on_grad(g, d=d):
+                for r in RUNGS:
+                    acc[name][r] -= float((g * d[r]).sum(dtype=torch.float64))
+
+            out.register_hook(on_grad)
+        return fn
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    emb = base.get_input_embeddings()
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    handles = [modules[n].register_forward_hook(hook(n)) for n in names]
+    handles.append(emb.register_forward_hook(lambda m, i, o: o.requires_grad_(True)))
+    was_training = model.training
+    model.eval()
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            for b in batches:
+                b = dict(b)
+                out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
+                out.loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, f in flags:
+            p.requires_grad_(f)
+        model.train(was_training)
+    for u in units:
+        u.gains = dict(acc[u.name])
+    return units
+
+
+def _hull(options: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """The upper convex hull of (price, gain, rung) from (0, 0, 'low'), gains strictly increasing."""
+    pts = sorted((p, g, r) for p, g, r in options if g > 0 and p > 0)
+    hull = [(0, 0.0, "low")]
+    for p, g, r in pts:
+        if g <= hull[-1][1]:
+            continue
+        while len(hull) >= 2:
+            (p1, g1, _), (p2, g2, _) = hull[-2], hull[-1]
+            # drop the middle point if it lies on or below the line from hull[-2] to (p, g)
+            if (g2 - g1) * (p - p1) <= (g - g1) * (p2 - p1):
+                hull.pop()
+            else:
+                break
+        hull.append((p, g, r))
+    return hull
+
+
+def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS) -> dict[str, str]:
+    """``{linear: rung}`` for the linears not left low, greedy by gain per byte with upgrades (each
+    linear's convex hull of rungs; an upgrade is taken only after the step below it)."""
+    steps = []
+    for i, u in enumerate(units):
+        hull = _hull([(u.prices[r], u.gains[r], r) for r in rungs])
+        for k in range(1, len(hull)):
+            dp, dg = hull[k][0] - hull[k - 1][0], hull[k][1] - hull[k - 1][1]
+            steps.append((dg / dp, i, k, dp, hull[k][2]))
+    steps.sort(key=lambda s: (-s[0], s[1], s[2]))
+    used, level, chosen, blocked = 0, {}, {}, set()
+    for _, i, k, dp, rung in steps:
+        if i in blocked or level.get(i, 0) != k - 1:
+            continue
+        if used + dp <= budget:
+            used += dp
+            level[i] = k
+            chosen[units[i].name] = rung
+        else:
+            blocked.add(i)  # its later upgrades would skip this one
+    return chosen
+
+
+def choose_rungs_exact(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS) -> dict[str, str]:
+    """The optimum by exhaustive search (small instances: (len(rungs) + 1) ** len(units) choices)."""
+    best, best_gain = {}, 0.0
+    for combo in itertools.product(("low",) + tuple(rungs), repeat=len(units)):
+        price = sum(u.prices[r] for u, r in zip(units, combo) if r != "low")
+        if price > budget:
+            continue
+        gain = sum(u.gains[r] for u, r in zip(units, combo) if r != "low")
+        if gain > best_gain + 1e-15:
+            best_gain, best = gain, {u.name: r for u, r in zip(units, combo) if r != "low"}
+    return best
+
+
+def plan_gain(units: list[LadderUnit], chosen: dict[str, str]) -> tuple[float, int]:
+    by = {u.name: u for u in units}
+    return (sum(by[n].gains[r] for n, r in chosen.items()), sum(by[n].prices[r] for n, r in chosen.items()))
+
+
+def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os.PathLike, low: str = "nf4",
+                 dtype=None, compute_dtype=None, double_quant: bool = False, int8_threshold: float = 6.0):
+    """The mixed model from stock modules: ``rungs`` maps full linear names to ``"bf16"`` or ``"int8"``
+    (or is a JSON file with a ``"rungs"`` mapping); every other decoder linear is ``low`` (``nf4``,
+    ``fp4`` or ``int8``), ``lm_head`` stays unquantised."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if not isinstance(rungs, dict):
+        rungs = json.loads(Path(rungs).read_text())["rungs"]
+    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
+    if bad:
+        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
+    dtype = dtype or torch.bfloat16
+    skip = ["lm_head"] + sorted(rungs)
+    if low == "int8":
+        q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip, llm_int8_threshold=int8_threshold)
+    else:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_use_double_quant=double_quant,
+                               bnb_4bit_compute_dtype=compute_dtype or dtype, llm_int8_skip_modules=skip)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q)
+    modules = dict(model.named_modules())
+    missing = [n for n in rungs if n not in modules or not isinstance(modules[n], torch.nn.Linear)]
+    if missing:
+        raise ValueError(f"{len(missing)} planned name(s) are not linears of {model_path}, e.g. {missing[0]}")
+    weights = _checkpoint_weights(model_path, [n for n, r in rungs.items() if r == "int8"])
+    for name, r in rungs.items():
+        if r != "int8":
+            continue
+        parent_name, _, child = name.rpartition(".")
+        old = modules[name]
+        new = _int8_module(weights[name].to(torch.float32), int8_threshold).train(old.training)
+        if old.bias is not None:
+            new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
+        setattr(modules[parent_name], child, new)
+    return model

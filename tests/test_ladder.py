@@ -1,0 +1,174 @@
+"""The precision ladder: rung numerics against stock bitsandbytes, exact byte accounting per rung, the
+multiple-choice knapsack against exhaustive search, cases where INT8 or BF16 must win, and
+load_planned against the dual path and a hand-built model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from gnmr_hf import ladder, memory  # noqa: E402
+from gnmr_hf.ladder import LadderUnit  # noqa: E402
+
+
+def _stock(path, low="nf4", skip=None, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    skip = ["lm_head"] + list(skip or [])
+    if low == "int8":
+        q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    else:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_compute_dtype=dtype,
+                               llm_int8_skip_modules=skip)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=q).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+RUNGS = {"model.layers.0.self_attn.v_proj": "int8", "model.layers.1.mlp.down_proj": "bf16",
+         "model.layers.2.self_attn.q_proj": "int8"}
+
+
+def test_int8_rung_is_stock_linear8bitlt(tiny_llama_dir, ids):
+    stock8 = _stock(tiny_llama_dir, "int8", dtype=torch.bfloat16)
+    mixed = ladder.load_planned(tiny_llama_dir, RUNGS, dtype=torch.bfloat16)
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    for name in ("model.layers.0.self_attn.v_proj", "model.layers.2.self_attn.q_proj"):
+        a, b = dict(stock8.named_modules())[name], dict(mixed.named_modules())[name]
+        assert type(b) is bnb.nn.Linear8bitLt
+        assert torch.equal(a.weight.data, b.weight.data) and torch.equal(a.weight.SCB, b.weight.SCB)
+        assert torch.equal(a(x), b(x))
+    kinds = {n: type(m).__name__ for n, m in mixed.named_modules() if ".layers." in n and isinstance(m, torch.nn.Linear)}
+    assert kinds["model.layers.1.mlp.down_proj"] == "Linear"
+    assert kinds["model.layers.0.self_attn.k_proj"] == "Linear4bit"
+    assert type(mixed.lm_head) is torch.nn.Linear
+
+
+def test_bytes_per_rung_match_the_loaded_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    mixed = ladder.load_planned(tiny_llama_dir, RUNGS, dtype=torch.bfloat16)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    all_low = ladder.decoder_low_linears(_stock(tiny_llama_dir, dtype=torch.bfloat16))
+    held = memory.model_bytes(mixed)
+    assert held["footprint"] == mixed.get_memory_footprint()
+    # predicted: the all-NF4 model plus each rung's price over NF4
+    nf4 = memory.predict_model_bytes(plain, all_low, "nf4")["total"]
+    mods = dict(plain.named_modules())
+    extra = sum(ladder.rung_prices(mods[n].weight.numel(), mods[n].weight.shape[0])[r] for n, r in RUNGS.items())
+    assert abs(held["total"] - (nf4 + extra)) <= 0.01 * held["total"]
+    assert held["total"] == nf4 + extra  # exact on this layout
+
+
+def test_load_planned_with_bf16_rungs_equals_the_dual_path(tiny_llama_dir, ids):
+    import gnmr_hf
+    from gnmr_hf.units import find_linear_units, short_name
+    from tests.test_dual_path import load, logits
+
+    bf16_only = {n: "bf16" for n, r in RUNGS.items()}
+    mixed = ladder.load_planned(tiny_llama_dir, bf16_only, dtype=torch.float32)
+    from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+    keep_reference_layout(mixed)
+    dual = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"), recovery_source=tiny_llama_dir, units="linears",
+                                     dtype=torch.float32)
+    names = [short_name(n) for n, _ in find_linear_units(dual)]
+    gnmr_hf.set_active_units(dual, [names.index(n.removeprefix("model.")) for n in bf16_only])
+    assert torch.equal(logits(mixed.eval(), ids), logits(dual, ids))
+
+
+def test_load_planned_with_int8_rungs_equals_a_hand_built_model(tiny_llama_dir, ids):
+    from tests.test_dual_path import logits
+
+    mixed = ladder.load_planned(tiny_llama_dir, RUNGS, dtype=torch.bfloat16)
+    hand = _stock(tiny_llama_dir, skip=list(RUNGS), dtype=torch.bfloat16)
+    stock8 = _stock(tiny_llama_dir, "int8", dtype=torch.bfloat16)
+    for name, r in RUNGS.items():
+        if r == "int8":
+            parent, _, child = name.rpartition(".")
+            setattr(dict(hand.named_modules())[parent], child, dict(stock8.named_modules())[name])
+    assert torch.equal(logits(mixed.eval(), ids), logits(hand.eval(), ids))
+    assert not torch.equal(logits(mixed, ids), logits(_stock(tiny_llama_dir, dtype=torch.bfloat16), ids))
+
+
+def test_refusals(tiny_llama_dir):
+    with pytest.raises(ValueError, match="unknown rung"):
+        ladder.load_planned(tiny_llama_dir, {"model.layers.0.self_attn.v_proj": "fp8"})
+    with pytest.raises(ValueError, match="not linears of"):
+        ladder.load_planned(tiny_llama_dir, {"model.layers.9.self_attn.v_proj": "bf16"})
+
+
+def _random_units(rng, n):
+    units = []
+    for i in range(n):
+        numel = rng.choice([64, 256, 1024, 4096]) * 64
+        prices = ladder.rung_prices(numel, 64)
+        g8 = rng.uniform(-0.1, 1.0)
+        units.append(LadderUnit(f"u{i}", numel, 64, gains={"int8": g8, "bf16": g8 + rng.uniform(-0.2, 0.6)},
+                                prices=prices))
+    return units
+
+
+def test_greedy_knapsack_against_exhaustive_search():
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(200):
+        units = _random_units(rng, rng.randint(2, 6))
+        total = sum(u.prices["bf16"] for u in units)
+        budget = int(total * rng.uniform(0.05, 0.8))
+        greedy, exact = ladder.choose_rungs(units, budget), ladder.choose_rungs_exact(units, budget)
+        g_gain, g_price = ladder.plan_gain(units, greedy)
+        e_gain, e_price = ladder.plan_gain(units, exact)
+        assert g_price <= budget and e_price <= budget  # feasible
+        assert g_gain <= e_gain + 1e-12  # exhaustive search is the optimum
+        ratios.append(g_gain / e_gain if e_gain > 0 else 1.0)
+    ratios.sort()
+    # greedy is exact on most instances and never far off on these (median, worst measured)
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0)
+    assert ratios[0] > 0.5, ratios[:5]
+
+
+def test_int8_wins_where_the_error_is_spread():
+    # four equal linears whose INT8 rung recovers nearly all of BF16's gain: three INT8 rungs cost about
+    # one BF16 rung (1984 B each against 5824 B on this shape), and gain more
+    units = [LadderUnit(f"u{i}", 4096, 64, gains={"int8": 0.9, "bf16": 1.0}, prices=ladder.rung_prices(4096, 64))
+             for i in range(4)]
+    assert units[0].prices == {"int8": 1984, "bf16": 5824}  # 4096 B INT8 + 256 B row scales - 2368 B NF4
+    budget = 3 * units[0].prices["int8"]
+    assert units[0].prices["bf16"] <= budget < units[0].prices["bf16"] + units[0].prices["int8"]
+    for choose in (ladder.choose_rungs, ladder.choose_rungs_exact):
+        chosen = choose(units, budget)
+        assert set(chosen.values()) == {"int8"} and len(chosen) == 3
+
+
+def test_bf16_wins_where_the_error_sits_in_one_small_linear():
+    # one small linear holds the error (INT8 recovers little of it), the big ones none
+    small = LadderUnit("v_proj", 4096, 64, gains={"int8": 0.2, "bf16": 1.0}, prices=ladder.rung_prices(4096, 64))
+    big = [LadderUnit(f"mlp{i}", 65536, 256, gains={"int8": 0.05, "bf16": 0.06}, prices=ladder.rung_prices(65536, 256))
+           for i in range(2)]
+    budget = small.prices["bf16"] + 10
+    for choose in (ladder.choose_rungs, ladder.choose_rungs_exact):
+        assert choose([small] + big, budget) == {"v_proj": "bf16"}
+
+
+def test_rung_gains_on_a_real_model_are_first_order_estimates(tiny_llama_dir, ids):
+    model = _stock(tiny_llama_dir)
+    batch = {"input_ids": ids, "labels": ids}
+    units = ladder.rung_gains(model, tiny_llama_dir, [batch])
+    assert len(units) == 4 * 7 and [u.name for u in units][:2] == ["model.layers.0.self_attn.q_proj",
+                                                                   "model.layers.0.self_attn.k_proj"]
+    assert all(u.prices["int8"] < u.prices["bf16"] for u in units)
+    # the sum of first-order gains predicts the loss change of putting every linear on that rung
+    with torch.no_grad():
+        low = float(model(**batch).loss)
+        high = float(_stock(tiny_llama_dir, skip=[u.name for u in units])(**batch).loss)
+    predicted = sum(u.gains["bf16"] for u in units)
+    assert predicted == pytest.approx(low - high, rel=0.5)
+    assert any(u.gains["int8"] != u.gains["bf16"] for u in units)
