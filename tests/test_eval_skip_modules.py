@@ -96,3 +96,54 @@ def test_skip_modules_on_a_bf16_base_is_refused_in_one_line(tiny3, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gnmr-hf eval: error: --skip-modules names modules to keep unquantised; it needs "
                    "--precision int8 or nf4"]
+
+
+# issue 26 item 3: the profile's folder, names that select nothing, a list without lm_head, an empty list
+def test_a_profile_folder_means_its_profile_json(tmp_path):
+    from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
+
+    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": ["lm_head", *PLANNED]}))
+    # the folder was taken as one module name before, which matched nothing
+    assert read_skip_modules(str(tmp_path)) == ["lm_head", *PLANNED]
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(EvalError, match="a folder without profile.json"):
+        read_skip_modules(str(tmp_path / "sub"))
+
+
+def test_an_empty_skip_list_in_a_profile_is_refused(tmp_path):
+    from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
+
+    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": []}))
+    with pytest.raises(EvalError, match="empty, which keeps nothing unquantised"):
+        read_skip_modules(str(tmp_path / "profile.json"))
+
+
+def test_names_that_keep_no_linear_are_refused(tiny3):
+    from gnmr_hf.evaluation.evaluate import EvalError, load_model
+
+    with pytest.raises(EvalError, match=r"1 name\(s\) keep no linear .* 'layers\.0\.self_attn\.vproj'"):
+        load_model(str(tiny3), "nf4", compute_dtype="float32", skip_modules=["lm_head", "layers.0.self_attn.vproj"])
+
+
+def test_the_eval_states_how_many_linears_it_kept(tiny3, capsys):
+    import bitsandbytes as bnb
+
+    from gnmr_hf.evaluation.evaluate import load_model
+
+    load_model(str(tiny3), "nf4", compute_dtype="float32", skip_modules=["lm_head", *PLANNED])
+    err = capsys.readouterr().err
+    assert "--skip-modules keeps 4 of 22 linears unquantised" in err and "lm_head is not" not in err
+    model, _ = load_model(str(tiny3), "nf4", compute_dtype="float32", skip_modules=PLANNED)
+    err = capsys.readouterr().err
+    assert "keeps 3 of 22 linears unquantised; lm_head is not among them, so it is quantised too" in err
+    assert isinstance(model.lm_head, bnb.nn.Linear4bit)  # what the warning says really happened
+
+
+def test_eval_cli_with_the_profile_folder(tiny3, tmp_path, capsys):
+    from gnmr_hf.cli import main
+
+    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": ["lm_head", "nothing.here"]}))
+    assert main(["eval", "--model", str(tiny3), "--precision", "nf4", "--skip-modules", str(tmp_path),
+                 "--tasks", "wikitext"]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "gnmr-hf" in line]
+    assert len(err) == 1 and "keep no linear" in err[0] and "'nothing.here'" in err[0]

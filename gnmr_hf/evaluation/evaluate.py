@@ -314,9 +314,11 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
 
 
 def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | None) -> list[str] | None:
-    """``--skip-modules``: a comma-separated list, or a ``profile.json`` (``gnmr-hf profile``'s ``skip_modules``).
+    """``--skip-modules``: a comma-separated list, a ``profile.json`` (``gnmr-hf profile``'s
+    ``skip_modules``), or the folder holding it (``DIR`` means ``DIR/profile.json``).
 
-    Returns the list, or None for ``None`` / an empty string.
+    Returns the list, or None for ``None`` / an empty string. A profile whose list is empty is refused:
+    it keeps nothing unquantised, not even ``lm_head``.
     """
     if spec is None:
         return None
@@ -325,6 +327,11 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
     text = str(spec).strip()
     if not text:
         return None
+    if Path(text).is_dir():
+        if not (Path(text) / "profile.json").is_file():
+            raise EvalError(f"--skip-modules {text}: a folder without profile.json (give gnmr-hf profile's "
+                            "--output folder, its profile.json, or a comma-separated list of module names)")
+        text = str(Path(text) / "profile.json")
     if text.endswith(".json") or Path(text).is_file():
         path = Path(text)
         if not path.is_file():
@@ -338,8 +345,27 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
         if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
             raise EvalError(f"--skip-modules {text}: no 'skip_modules' list of names in it (write one with "
                             "gnmr-hf profile --output DIR)")
+        if not modules:
+            raise EvalError(f"--skip-modules {text}: its 'skip_modules' list is empty, which keeps nothing "
+                            "unquantised, not even lm_head (leave --skip-modules out for the stock list)")
         return modules
     return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def _kept_linears(model, skip_modules: list[str]) -> tuple[list[str], list[str]]:
+    """``(kept, unmatched)``: the loaded model's linears each entry keeps unquantised, by transformers'
+    own matching rule, and the entries that keep none."""
+    import torch
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    kept, unmatched = set(), []
+    for entry in skip_modules:
+        hits = [n for n in linears if not should_convert_module(n, [entry])]
+        kept.update(hits)
+        if not hits:
+            unmatched.append(entry)
+    return sorted(kept), unmatched
 
 
 def _check_skip_modules(precision: str, skip_modules: list[str] | None) -> None:
@@ -405,6 +431,17 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         base = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except OSError as e:
         raise EvalError(f"cannot load --model {model}: {e}") from None
+    if skip_modules is not None and precision in ("int8", "nf4"):
+        kept, unmatched = _kept_linears(base, list(skip_modules))
+        if unmatched:
+            raise EvalError(f"--skip-modules: {len(unmatched)} name(s) keep no linear of {model} unquantised, "
+                            f"e.g. {unmatched[0]!r} (full dotted names such as model.layers.0.self_attn.v_proj, "
+                            "or a profile.json)")
+        total = sum(isinstance(m, torch.nn.Linear) for m in base.modules())
+        note = ("" if "lm_head" in kept or not isinstance(getattr(base, "lm_head", None), torch.nn.Module) else
+                "; lm_head is not among them, so it is quantised too (add lm_head to keep the stock behaviour)")
+        print(f"gnmr-hf eval: --skip-modules keeps {len(kept)} of {total} linears unquantised{note}",
+              file=sys.stderr, flush=True)
     if precision == "bf16":
         base = base.to(device)
     if precision == "nf4":
