@@ -756,6 +756,20 @@ def peak_memory() -> dict[str, Any]:
 # the run
 
 
+def stored_bytes_per_bf16_byte(model) -> float:
+    """The recovery weights' stored bytes per BF16 byte (1.0 for BF16, 2.0 for FP32): the dtype every
+    dual-path layer keeps its checkpoint weight in."""
+    import torch
+
+    from gnmr_hf.backends.base import dual_path_modules
+
+    dtypes = {m._gnmr_source.dtype for m in dual_path_modules(model) if getattr(m, "_gnmr_source", None) is not None}
+    if len(dtypes) != 1:
+        raise RecipeError(f"the dual-path layers keep their recovery weights in {len(dtypes)} dtypes "
+                          f"({sorted(map(str, dtypes))}); a profile plan needs one")
+    return torch.finfo(dtypes.pop()).bits / 16
+
+
 def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dict[str, Any]]:
     """Profile the first ``recipe.profile.batches`` training batches, plan the BF16 linears within the
     budget and build the callback's policy (``StaticPolicy`` or ``HybridPolicy``); writes
@@ -786,8 +800,12 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dic
     budget_bytes, fraction = parse_budget(prof_args.budget)
     budget = budget_bytes if budget_bytes is not None else int(fraction * profile.total_bytes)
     planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
-    plan = gnmr_hf.plan(profile, budget_bytes=planned_budget, criterion=criterion, model=model, batches=batches)
-    unit_bytes = [u.bytes for u in profile.units]
+    # the budget counts the bytes the recovery path holds: the profile prices BF16 weights, the dual
+    # path stores them in the compute dtype (FP32 doubles each unit's price)
+    scale = stored_bytes_per_bf16_byte(model)
+    plan = gnmr_hf.plan(profile, budget_bytes=int(planned_budget // scale), criterion=criterion, model=model,
+                        batches=batches)
+    unit_bytes = [int(u.bytes * scale) for u in profile.units]
     U = len(unit_bytes)
     if prof_args.policy == "static":
         policy = gnmr_hf.StaticPolicy(U, plan.indices, max_active=max(1, len(plan.indices)), unit_bytes=unit_bytes)
@@ -796,14 +814,22 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dic
         if recipe.gnmr.init_fraction is not None:
             steps = args.max_steps if args.max_steps > 0 else 0
             config = dataclasses.replace(config, init_steps=init_steps_from_fraction(recipe.gnmr.init_fraction, steps))
-        config = dataclasses.replace(config, max_active=U, max_active_bytes=budget - plan.bytes)
+        config = dataclasses.replace(config, max_active=U,
+                                     max_active_bytes=budget - sum(unit_bytes[i] for i in plan.indices))
         policy = gnmr_hf.HybridPolicy(U, plan.indices, config, unit_bytes=unit_bytes)
-    record = {"criterion": criterion, "budget_bytes": budget, "policy": prof_args.policy, **plan.to_dict(),
+    # the plan's own record first: its budget_bytes is the planned share in BF16 bytes, the run's is the
+    # whole budget in held bytes
+    record = {**plan.to_dict(), "plan_budget_bytes": plan.budget_bytes, "criterion": criterion,
+              "budget_bytes": budget, "policy": prof_args.policy, "held_bytes": sum(unit_bytes[i] for i in plan.indices),
+              "stored_bytes_per_bf16_byte": scale,
               "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         profile.to_json(Path(args.output_dir) / "profile.json", plan=record, skip_modules=plan.skip_modules())
         print(plan.summary())
+        if scale != 1:
+            print(f"recovery weights stored in {recipe.script.compute_dtype}: {scale:g} bytes held per BF16 byte, "
+                  f"so the plan holds {record['held_bytes'] / 2**20:.2f} MiB of the {budget / 2**20:.2f} MiB budget")
         print(f"profile.json: llm_int8_skip_modules for a stock BitsAndBytesConfig: {len(plan.skip_modules())} names")
     return policy, record
 

@@ -107,4 +107,47 @@ def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
         assert plan["bytes"] <= 0.05 * total
     else:  # the plan takes 3/4 of the budget, GNMR the rest
         assert plan["bytes"] <= 0.75 * 0.05 * total + 1
-        assert all(x["budget_bytes"] == int(0.05 * total) - plan["bytes"] for x in lines)
+        assert all(x["budget_bytes"] == plan["budget_bytes"] - plan["held_bytes"] for x in lines)
+    assert all(x["recovery_bytes"] <= plan["budget_bytes"] for x in lines)  # what is held, within budget
+
+
+# issue 26 item 2: the budget is what the recovery path holds, in the dtype it stores
+def _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, policy="static"):
+    import torch
+    from transformers import AutoTokenizer
+
+    recipe = finetune.validate(finetune.load_config([
+        "--config", str(SMOL / f"{'planned' if policy == 'static' else 'hybrid'}-nf4.yaml"),
+        "--profile.budget", "10%", "--output_dir", str(tmp_path / dtype), "--compute_dtype", dtype,
+        "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]))
+    model = finetune.load_model(recipe, str(tiny_llama_dir))
+    g = torch.Generator().manual_seed(0)
+    ds = [{"input_ids": ids, "attention_mask": [1] * 12, "labels": ids}
+          for ids in torch.randint(0, 128, (8, 12), generator=g).tolist()]
+    policy, record = finetune.planned_policy(recipe, model, ds, AutoTokenizer.from_pretrained(smollm2_dir))
+    return model, policy, record
+
+
+@pytest.mark.parametrize("dtype, scale", [("float32", 2.0), ("bfloat16", 1.0)])
+def test_the_planned_budget_counts_the_bytes_held(tiny_llama_dir, smollm2_dir, tmp_path, dtype, scale):
+    import gnmr_hf
+
+    model, policy, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype)
+    total = json.loads((tmp_path / dtype / "profile.json").read_text())["total_bytes"]
+    assert record["stored_bytes_per_bf16_byte"] == scale
+    assert record["budget_bytes"] == int(0.1 * total)  # the run's budget, not the plan's share
+    gnmr_hf.set_active_units(model, record["indices"])
+    held = gnmr_hf.recovery_device_bytes(model)  # what the dual path really holds with the plan active
+    assert held == record["held_bytes"] == scale * record["bytes"] > 0
+    assert held <= record["budget_bytes"]  # FP32 held 2x the budget before
+    # what the trace reports (the policy's active_bytes) is what is held
+    assert policy.set_bytes == held
+
+
+def test_hybrid_record_keeps_the_runs_budget(tiny_llama_dir, smollm2_dir, tmp_path):
+    _, policy, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, "float32", policy="hybrid")
+    total = json.loads((tmp_path / "float32" / "profile.json").read_text())["total_bytes"]
+    assert record["policy"] == "hybrid" and record["budget_bytes"] == int(0.1 * total)
+    assert record["plan_budget_bytes"] == int(int(0.1 * total) * 0.75) // 2  # the plan's share, in BF16 bytes
+    # GNMR gets the rest of the budget in held bytes
+    assert policy.controller.config.max_active_bytes == record["budget_bytes"] - record["held_bytes"]
