@@ -504,6 +504,49 @@ def load_config(argv: list[str]) -> Recipe:
                   config_file=config_file, given=given, profile=profile)
 
 
+# the keys a profile policy overwrites or never reads (gnmr.*), and the profile keys a policy ignores
+HYBRID_OVERWRITTEN = ("max_active", "max_active_bytes")
+PROFILE_STATIC_ONLY_IGNORED = ("gnmr_share",)
+
+
+def _refuse_ignored_keys(recipe: Recipe) -> None:
+    """Refuse a key the profile's policy would ignore, when the user set it: on the command line, or in the
+    file that sets ``profile.policy`` (a key inherited from an included recipe, such as gnmr-nf4.yaml's
+    gnmr block under planned-nf4.yaml, is not the user's choice and passes)."""
+    prof, gnmr = recipe.profile, recipe.gnmr
+    anchor = prof.given.get("policy")
+
+    def by_user(where: str) -> bool:
+        return where == "on the command line" or where == anchor
+
+    policy = prof.policy
+    if prof.enabled and policy == "static":
+        keys = [k for k, w in gnmr.given.items() if k != "monitor" and by_user(w)]
+        if keys:
+            k = keys[0]
+            raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect with profile.policy static: the planned "
+                              "set is fixed and no GNMR controller runs; use profile.policy hybrid (GNMR over the "
+                              "unplanned linears) or gnmr (the paper's controller)")
+        keys = [k for k in PROFILE_STATIC_ONLY_IGNORED if k in prof.given and by_user(prof.given[k])]
+        if keys:
+            raise RecipeError(f"profile.{keys[0]} (set {prof.given[keys[0]]}) has no effect with profile.policy "
+                              "static: it splits the budget of profile.policy hybrid")
+    if prof.enabled and policy == "hybrid":
+        keys = [k for k in HYBRID_OVERWRITTEN if k in gnmr.given and by_user(gnmr.given[k])]
+        if keys:
+            k = keys[0]
+            raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect with profile.policy hybrid: GNMR's "
+                              "count and bytes come from the plan (the budget times profile.gnmr_share); set "
+                              "profile.budget and profile.gnmr_share instead")
+    if policy == "gnmr":
+        keys = [k for k, w in prof.given.items() if k != "policy" and by_user(w)]
+        if keys:
+            k = keys[0]
+            raise RecipeError(f"profile.{k} (set {prof.given[k]}) has no effect with profile.policy gnmr: no profile "
+                              "is taken (the paper's controller over decoder layers); use profile.policy static or "
+                              "hybrid to plan")
+
+
 def validate(recipe: Recipe) -> Recipe:
     """Refuse a setting that ``recipe.script.precision`` would ignore, before anything is loaded (:func:`run`
     calls it first; :func:`load_config` checks each value, this checks them against the precision).
@@ -538,6 +581,7 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError(f"{k} (set {recipe.given[k]}) has no effect with precision {precision}: it applies to "
                           f"the 4-bit base of precision nf4 or gnmr-nf4 only")
     if precision in GNMR_PRECISIONS:
+        _refuse_ignored_keys(recipe)
         if gnmr.monitor:
             raise RecipeError(f"gnmr.monitor: true (set {gnmr.given['monitor']}) has no effect with precision "
                               f"{precision}: its callback switches layers to the recovery path; a monitor-only run is "
@@ -863,7 +907,11 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
 
     callbacks = list(extra_callbacks or [])
     if recipe.profile.enabled:
-        pass  # the callback needs the plan: built after the model is loaded and profiled
+        # the callback needs the plan: built after the model is loaded and profiled; the data checked now
+        bs = args.per_device_train_batch_size
+        if len(train_ds) < recipe.profile.batches * bs:
+            raise RecipeError(f"profile.batches {recipe.profile.batches} (set {recipe.profile.given.get('batches', 'by default')})"
+                              f" x batch size {bs} is more than the {len(train_ds)} training examples")
     elif script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
         import gnmr_hf
 

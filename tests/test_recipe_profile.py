@@ -151,3 +151,45 @@ def test_hybrid_record_keeps_the_runs_budget(tiny_llama_dir, smollm2_dir, tmp_pa
     assert record["plan_budget_bytes"] == int(int(0.1 * total) * 0.75) // 2  # the plan's share, in BF16 bytes
     # GNMR gets the rest of the budget in held bytes
     assert policy.controller.config.max_active_bytes == record["budget_bytes"] - record["held_bytes"]
+
+
+# issue 26 item 6: keys the profile's policy would ignore are refused in one line, before anything loads
+@pytest.mark.parametrize("recipe, argv, message", [
+    ("planned-nf4", ["--gnmr.max_active", "3"], r"gnmr\.max_active \(set on the command line\) has no effect with "
+                                                r"profile\.policy static"),
+    ("planned-nf4", ["--gnmr.alpha", "2.0"], r"gnmr\.alpha .* profile\.policy static"),
+    ("planned-nf4", ["--profile.gnmr_share", "0.5"], r"profile\.gnmr_share .* profile\.policy static"),
+    ("hybrid-nf4", ["--gnmr.max_active", "3"], r"gnmr\.max_active .* profile\.policy hybrid: GNMR's count and bytes"),
+    ("hybrid-nf4", ["--gnmr.max_active_bytes", "1000"], r"gnmr\.max_active_bytes .* profile\.policy hybrid"),
+    ("planned-nf4", ["--profile.policy", "gnmr", "--profile.budget", "5%"],
+     r"profile\.budget \(set on the command line\) has no effect with profile\.policy gnmr"),
+    ("planned-nf4", ["--profile.policy", "gnmr", "--profile.criterion", "output"], r"profile\.criterion .* gnmr"),
+])
+def test_keys_the_policy_ignores_are_refused(recipe, argv, message):
+    with pytest.raises(finetune.RecipeError, match=message) as e:
+        finetune.validate(finetune.load_config(["--config", str(SMOL / f"{recipe}.yaml"), *argv]))
+    assert "\n" not in str(e.value)
+
+
+def test_keys_the_policy_reads_still_pass():
+    # inherited gnmr keys (gnmr-nf4.yaml under planned-nf4.yaml) are not the user's and pass; hybrid reads
+    # GNMR's thresholds; every shipped recipe validates
+    hybrid = finetune.validate(finetune.load_config(["--config", str(SMOL / "hybrid-nf4.yaml"), "--gnmr.alpha", "2.0"]))
+    assert hybrid.gnmr.config.alpha == 2.0
+    for path in sorted((ROOT / "recipes").glob("*/*.yaml")):
+        if path.parent.name == "accelerate":
+            continue
+        finetune.validate(finetune.load_config(["--config", str(path)]))
+
+
+def test_profile_batches_beyond_the_data_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the data check")
+
+    monkeypatch.setattr(finetune, "load_model", no_load)
+    recipe = finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"), "--profile.batches", "1000",
+                                   "--output_dir", str(tmp_path / "o"), "--data_dir", str(tmp_path / "d"),
+                                   "--max_steps", "1", "--max_train_examples", "16"])
+    with pytest.raises(finetune.RecipeError, match=r"profile\.batches 1000 \(set on the command line\) x batch size "
+                                                   r"\d+ is more than the 16 training examples"):
+        finetune.run(recipe)
