@@ -143,7 +143,8 @@ def train_command(recipes: Path, precision: str, run_dir: Path, data_dir: Path,
     """The ``accelerate launch`` command line of one SmolLM2 recipe."""
     import torch
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    # --quiet: a failing recipe's own one-line error is the last thing printed, not accelerate's traceback
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if torch.cuda.is_available():
         cmd += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     else:
@@ -318,8 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per process (OMP_NUM_THREADS); 1 is fastest on a machine busy with other jobs")
     p.add_argument("--recipes", default=None, help="the recipes folder (default: found next to the package)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra recipe override for every run, e.g. --set per_device_train_batch_size=2")
+    p.add_argument("--set", action="append", default=[], metavar="[RECIPE:]KEY=VALUE",
+                   help="extra recipe override: KEY=VALUE for every run (--set per_device_train_batch_size=2), "
+                        "RECIPE:KEY=VALUE for one (--set planned-nf4:profile.budget=5%%); every recipe is "
+                        "checked with its overrides before anything trains")
     return p
 
 
@@ -334,6 +337,40 @@ def main(argv: list[str] | None = None) -> int:
         print("\ngnmr-hf demo: interrupted; rerun the same command to continue (complete trainings and "
               "evaluated tasks are kept)", file=sys.stderr)
         return 130
+
+
+def parse_sets(items: list[str], precisions: list[str]) -> dict[str, list[str]]:
+    """``--set`` items as each recipe's extra command-line overrides: ``KEY=VALUE`` goes to every recipe,
+    ``RECIPE:KEY=VALUE`` to that one (``DemoError`` for a malformed item or a recipe the demo does not run)."""
+    out: dict[str, list[str]] = {p: [] for p in precisions}
+    for item in items:
+        key, eq, value = item.partition("=")
+        target, colon, key = key.rpartition(":") if ":" in key else ("", "", key)
+        if not eq or not key:
+            raise DemoError(f"--set wants KEY=VALUE or RECIPE:KEY=VALUE, got {item!r}")
+        if colon and target not in out:
+            raise DemoError(f"--set {item}: recipe {target!r} is not one this demo runs ({', '.join(precisions)})")
+        for p in [target] if colon else precisions:
+            out[p] += [f"--{key}", value]
+    return out
+
+
+def check_recipes(recipes: Path, precisions: list[str], run_dirs: dict[str, Path], data_dir: Path,
+                  overrides: dict[str, list[str]]) -> None:
+    """Load and validate every recipe with its overrides, as ``recipes/finetune.py`` will, so that a bad
+    ``--set`` ends the demo in one line (``DemoError``) before anything trains."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gnmr_demo_finetune", recipes / "finetune.py")
+    finetune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(finetune)
+    for p in precisions:
+        argv = ["--config", str(recipes / "smollm2-135m" / f"{p}.yaml"), "--output_dir", str(run_dirs[p]),
+                "--data_dir", str(data_dir), *overrides[p]]
+        try:
+            finetune.validate(finetune.load_config(argv))
+        except finetune.RecipeError as e:
+            raise DemoError(f"recipe {p}: {e}") from None
 
 
 def _training_dtype(args: argparse.Namespace) -> tuple[str, str]:
@@ -392,6 +429,11 @@ def _run(args: argparse.Namespace) -> int:
 
     dtype, reason = _training_dtype(args)
     print(f"[demo] training computes in {dtype} ({reason})", flush=True)
+    common: list[str] = ["--compute_dtype", dtype, "--per_device_train_batch_size", str(batch_size)]
+    common += ["--max_steps", str(max_steps)]
+    overrides = {p: common + extra for p, extra in parse_sets(args.set, precisions).items()}
+    # before the checkpoint, the data and any training: a bad --set is one line
+    check_recipes(recipes, precisions, {p: out / p for p in precisions}, out / "train_data", overrides)
     tasks = args.tasks.strip().lower() != "none"
     limit = None if args.eval_limit == 0 else (int(args.eval_limit) if args.eval_limit >= 1 else args.eval_limit)
     eval_settings = None
@@ -432,13 +474,6 @@ def _run(args: argparse.Namespace) -> int:
         # its gsm8k/test.jsonl is disjoint from it
         write_eval_data(data_dir)
     timer.stop("setup (checkpoint, eval data)")
-    overrides: list[str] = ["--compute_dtype", dtype, "--per_device_train_batch_size", str(batch_size)]
-    overrides += ["--max_steps", str(max_steps)]
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise DemoError(f"--set wants KEY=VALUE, got {item!r}")
-        overrides += [f"--{key}", value]
 
     for i, p in enumerate(precisions, 1):
         run_dir = out / p
@@ -447,7 +482,7 @@ def _run(args: argparse.Namespace) -> int:
                   flush=True)
             continue
         _drop_eval(out, p)  # scored on the adapter being replaced
-        cmd = train_command(recipes, p, run_dir, out / "train_data", overrides)
+        cmd = train_command(recipes, p, run_dir, out / "train_data", overrides[p])
         print(f"[demo] train {p} ({i}/{len(precisions)})\n  {' '.join(cmd)}", flush=True)
         timer.start()
         code = subprocess.call(cmd)

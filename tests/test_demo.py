@@ -264,3 +264,47 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
     later = time.time() + 5
     os.utime(out / "bf16" / "run.json", (later, later))
     assert demo.main(args) == 0 and calls == ["wikitext", "hellaswag"]
+
+
+# issue 26 item 11: --set per recipe, a bad --set in one line before anything trains, no accelerate traceback
+def test_set_goes_to_every_recipe_or_to_one():
+    precisions = ["bf16", "nf4", "planned-nf4"]
+    sets = demo.parse_sets(["per_device_train_batch_size=2", "planned-nf4:profile.budget=5%"], precisions)
+    assert sets == {"bf16": ["--per_device_train_batch_size", "2"], "nf4": ["--per_device_train_batch_size", "2"],
+                    "planned-nf4": ["--per_device_train_batch_size", "2", "--profile.budget", "5%"]}
+    with pytest.raises(demo.DemoError, match="recipe 'gnmr' is not one this demo runs"):
+        demo.parse_sets(["gnmr:max_steps=3"], precisions)
+    with pytest.raises(demo.DemoError, match="--set wants KEY=VALUE or RECIPE:KEY=VALUE"):
+        demo.parse_sets(["planned-nf4:budget"], precisions)
+
+
+def test_a_recipe_key_for_one_recipe_passes_the_check(tmp_path):
+    recipes = demo.find_recipes()
+    precisions = ["bf16", "nf4", "planned-nf4"]
+    dirs = {p: tmp_path / p for p in precisions}
+    demo.check_recipes(recipes, precisions, dirs, tmp_path / "data",
+                       demo.parse_sets(["planned-nf4:profile.budget=5%"], precisions))
+    with pytest.raises(demo.DemoError, match=r"^recipe bf16: profile \(set on the command line\) has no effect"):
+        demo.check_recipes(recipes, precisions, dirs, tmp_path / "data",
+                           demo.parse_sets(["profile.budget=5%"], precisions))
+
+
+def test_a_bad_set_ends_the_demo_in_one_line_before_training(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("a recipe was launched"))
+    code = demo.main(["--low", "nf4", "--out", str(tmp_path / "o"), "--set", "lora_init=loftq", "--tasks", "none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("gnmr-hf demo: error: recipe bf16: lora_init: loftq (set on the command line) needs a 4-bit")
+
+
+def test_a_failing_recipe_prints_no_accelerate_traceback(tmp_path):
+    import subprocess
+
+    cmd = demo.train_command(demo.find_recipes(), "bf16", tmp_path / "run", tmp_path / "data",
+                             ["--model", str(tmp_path / "no_such_model")])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "model " in proc.stderr and "not found" in proc.stderr  # the recipe's own line
+    assert "CalledProcessError" not in proc.stderr and "Traceback" not in proc.stderr
