@@ -143,3 +143,37 @@ def test_the_thresholds_are_those_documented():
     design = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
     rows = dict(re.findall(r"^ *\| (INT8|NF4|FP4) \| ([\d.]+) \(`", design, flags=re.M))
     assert {k.lower(): float(v) for k, v in rows.items()} == THRESHOLD
+
+
+def _perturbed(src, dst, p, seed=0):
+    """``src``'s checkpoint with each weight moved by ``p * ||W||`` in a random Gaussian direction."""
+    from safetensors.torch import load_file, save_file
+
+    import shutil
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in Path(dst).glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for k, w in tensors.items():
+            if k.endswith("proj.weight"):
+                d = torch.randn(w.shape, generator=g)
+                tensors[k] = (w.float() + d / d.norm() * p * w.float().norm()).to(w.dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("p, caught", [(0.37, False), (0.5, True)])
+def test_the_source_checks_margin(tiny_llama_dir, tmp_path, p, caught):
+    # docs/design.md: a difference D adds to NF4's own error (0.09) in quadrature, so the 0.4 threshold
+    # catches ||D|| / ||W|| from about 0.42 on; 0.37 (4x NF4's error) passes, as the docs now say
+    source = _perturbed(tiny_llama_dir, tmp_path / f"p{p}", p)
+    worst = max(e for _, e in errors(gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"),
+                                                               recovery_source=tiny_llama_dir), source).values())
+    assert (worst > THRESHOLD["nf4"]) == caught, worst
+    model = load(tiny_llama_dir, "nf4")
+    if caught:
+        with pytest.raises(ValueError, match="does not match the model"):
+            gnmr_hf.prepare_dual_path(model, recovery_source=source)
+    else:
+        gnmr_hf.prepare_dual_path(model, recovery_source=source)
