@@ -67,7 +67,7 @@ def loftq_on_the_weight_device():
 
 def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: str = "default",
                                account_for_scaling: bool = True, callback: Any = None,
-                               skip: Any = None) -> Any:
+                               skip: Any = None, progress: bool = True) -> Any:
     """PEFT's ``replace_lora_weights_loftq`` on the weights' own device (see the module docstring).
 
     Returns ``peft_model``, its LoRA pairs on 4-bit linears initialised from the rank-r SVD of each
@@ -84,10 +84,16 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
             ``scaling * B A`` is the residual. False: PEFT's result as it is.
         callback: PEFT's ``callback(model, module_name) -> bool`` (False rolls that module's LoRA back to
             the weights it had before), e.g. to leave the linears that run in BF16 with the stock init.
+        progress: a tqdm bar over the 4-bit linears (PEFT's loop has none; SmolLM2's 210 take ~18 s on a CPU).
+
+    Raises:
+        ValueError: (:func:`check_loftq_input`) before anything changes: not a PEFT model with LoRA on
+            4-bit linears, a rank above a linear's smaller dimension, or ``model_path`` holding other weights.
     """
     from peft import replace_lora_weights_loftq as peft_loftq
     from peft.tuners.lora import Linear4bit
 
+    pairs = check_loftq_input(peft_model, model_path, adapter_name, skip)
     if skip:
         from gnmr_hf.units import short_name
 
@@ -100,18 +106,81 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
                 return False  # roll back: keep the pair PEFT had before
             return True if _inner is None else _inner(model, module_name)
 
-    pairs = [m for m in peft_model.modules() if isinstance(m, Linear4bit) and adapter_name in m.lora_A]
     # the values before, cloned: ``weight.data`` is a new object at every access, so identity says nothing
     before = {id(m): (m.lora_A[adapter_name].weight.detach().clone(), m.lora_B[adapter_name].weight.detach().clone())
               for m in pairs}
-    with loftq_on_the_weight_device():
-        peft_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name, callback=callback)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=sum(isinstance(m, Linear4bit) for m in peft_model.modules()), desc="LoftQ", unit="linear",
+               disable=not progress)
+    inner_cb = callback
+
+    def counted(model, module_name, _inner=inner_cb):  # noqa: ANN001  (PEFT's callback signature)
+        bar.update(1)
+        return True if _inner is None else _inner(model, module_name)
+
+    try:
+        with loftq_on_the_weight_device():
+            peft_loftq(peft_model, model_path=str(model_path), adapter_name=adapter_name, callback=counted)
+    finally:
+        bar.close()
     if account_for_scaling:
         for module in replaced_pairs(peft_model, before, adapter_name):
             root = float(module.scaling[adapter_name]) ** 0.5
             module.lora_A[adapter_name].weight.data /= root
             module.lora_B[adapter_name].weight.data /= root
     return peft_model
+
+
+#: the largest ``||dequant(W_4bit) - W|| / ||W||`` accepted between the model and ``model_path``: the
+#: source check's NF4/FP4 threshold (gnmr_hf.backends.bnb_4bit; the right checkpoint gives ~0.1, others >= 1)
+LOFTQ_SOURCE_TOLERANCE = 0.4
+
+
+def check_loftq_input(peft_model: Any, model_path: Any, adapter_name: str = "default", skip: Any = None) -> list[Any]:
+    """The LoRA modules over 4-bit linears LoftQ will initialise, after refusing in one line what PEFT
+    would take silently or fail on later: a model that is not a ``PeftModel`` with LoRA on bitsandbytes
+    4-bit linears, a rank ``r`` above a linear's smaller dimension (LoftQ's SVD would shrink the pair to
+    that rank and the saved adapter would not reload), a ``model_path`` without safetensors or whose
+    weight for the first linear is not the one the model was quantised from (the adapter would then add
+    the difference between two models)."""
+    import torch
+    from peft.tuners.lora import Linear4bit
+
+    if not hasattr(peft_model, "get_base_model"):
+        raise ValueError(f"LoftQ needs a PEFT model with LoRA on its 4-bit linears (peft.get_peft_model(model, "
+                         f"LoraConfig(...))), got {type(peft_model).__name__}")
+    pairs = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, Linear4bit) and adapter_name in m.lora_A]
+    if not pairs:
+        raise ValueError(f"LoftQ: no LoRA adapter {adapter_name!r} on a bitsandbytes 4-bit linear of this model "
+                         "(load it with BitsAndBytesConfig(load_in_4bit=True) and target its linears with LoRA)")
+    from gnmr_hf.units import short_name
+
+    kept = {short_name(str(n)) for n in (skip or [])}
+    for name, m in pairs:
+        r, shape = m.r[adapter_name], (m.out_features, m.in_features)
+        if r > min(shape) and short_name(name) not in kept:
+            raise ValueError(f"LoftQ: LoRA rank r={r} is above the smaller dimension of {name} ({shape[0]} x "
+                             f"{shape[1]}): its SVD gives rank {min(shape)} at most, and an adapter of another rank "
+                             f"than its config does not reload; use r <= {min(shape)} or target other modules")
+    from pathlib import Path
+
+    if not any(Path(str(model_path)).glob("*.safetensors")):
+        raise ValueError(f"LoftQ: model_path {model_path} holds no .safetensors file (the BF16 checkpoint the "
+                         "4-bit model was loaded from)")
+    import bitsandbytes.functional as bf
+    from peft.utils.loftq_utils import _SafetensorLoader
+
+    name, module = pairs[0]
+    weight = _SafetensorLoader(peft_model, str(model_path)).get_tensor(name.removeprefix("base_model.model.") + ".weight")
+    low = bf.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.float32)
+    weight = weight.to(low.device, torch.float32)
+    error = float(torch.linalg.vector_norm(low - weight) / torch.linalg.vector_norm(weight).clamp_min(1e-30))
+    if not error <= LOFTQ_SOURCE_TOLERANCE:
+        raise ValueError(f"LoftQ: model_path {model_path} is not the checkpoint this model was quantised from: "
+                         f"{name}'s 4-bit weight differs from its weight there by {error:.3g} of its norm (the right "
+                         f"checkpoint gives about 0.1, the limit is {LOFTQ_SOURCE_TOLERANCE})")
+    return [m for _, m in pairs]
 
 
 def replaced_pairs(peft_model: Any, before: dict[int, tuple[Any, Any]], adapter_name: str = "default") -> list[Any]:

@@ -938,7 +938,11 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         pairs = {id(m): (m.lora_A["default"].weight.detach().clone(), m.lora_B["default"].weight.detach().clone())
                  for m in model.modules() if isinstance(getattr(m, "lora_B", None), torch.nn.ModuleDict)
                  and "default" in m.lora_B}
-        replace_lora_weights_loftq(model, model_path, skip=skip)
+        try:
+            replace_lora_weights_loftq(model, model_path, skip=skip,
+                                       progress=args.process_index == 0 and not args.disable_tqdm)
+        except ValueError as e:  # a rank above a linear's dimension, another checkpoint: one line
+            raise RecipeError(f"lora_init: loftq: {e}") from None
         kept = sum(1 for m in model.modules() if id(m) in pairs
                    and torch.equal(m.lora_A["default"].weight, pairs[id(m)][0])
                    and torch.equal(m.lora_B["default"].weight, pairs[id(m)][1]))

@@ -126,3 +126,44 @@ def test_skip_keeps_the_pairs_bit_identical_under_the_recipes_scaling(tiny_llama
     # a replaced pair carries the residual with the scaling accounted for: A was divided by sqrt(2)
     m = layers[1].self_attn.q_proj
     assert m in replaced and not torch.equal(pair(m)[0], before[id(m)][0])
+
+
+# issue 26 item 12: LoftQ on bad input refuses in one line before anything changes
+def _lora_state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_a_rank_above_a_linears_smaller_dimension_is_refused(tiny_llama_dir):
+    model = _qlora(tiny_llama_dir, rank=48)  # k_proj / v_proj are 32 x 64 here (2 KV heads of 16)
+    before = _lora_state(model)
+    with pytest.raises(ValueError, match=r"rank r=48 is above the smaller dimension of .*k_proj \(32 x 64\)"):
+        loftq.replace_lora_weights_loftq(model, tiny_llama_dir, progress=False)
+    after = _lora_state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+
+
+def test_a_model_without_lora_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="needs a PEFT model with LoRA on its 4-bit linears .*got LlamaForCausalLM"):
+        loftq.replace_lora_weights_loftq(load(tiny_llama_dir, "nf4"), tiny_llama_dir, progress=False)
+    bf16 = peft.get_peft_model(load(tiny_llama_dir, None), peft.LoraConfig(r=4, target_modules=LINEARS))
+    with pytest.raises(ValueError, match="no LoRA adapter 'default' on a bitsandbytes 4-bit linear"):
+        loftq.replace_lora_weights_loftq(bf16, tiny_llama_dir, progress=False)
+
+
+def test_another_checkpoint_is_refused(tiny_llama_dir, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "other", seed=5)
+    model = _qlora(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"is not the checkpoint this model was quantised from: .*q_proj's 4-bit weight "
+                                         r"differs from its weight there by 1\.\d+ of its norm"):
+        loftq.replace_lora_weights_loftq(model, other, progress=False)
+    with pytest.raises(ValueError, match="holds no .safetensors file"):
+        loftq.replace_lora_weights_loftq(model, tmp_path, progress=False)
+
+
+def test_loftq_shows_progress(tiny_llama_dir, capsys):
+    model = _qlora(tiny_llama_dir)
+    loftq.replace_lora_weights_loftq(model, tiny_llama_dir)
+    err = capsys.readouterr().err
+    assert "LoftQ" in err and "28/28" in err  # 4 layers x 7 linears

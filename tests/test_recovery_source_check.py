@@ -147,9 +147,9 @@ def test_the_thresholds_are_those_documented():
 
 def _perturbed(src, dst, p, seed=0):
     """``src``'s checkpoint with each weight moved by ``p * ||W||`` in a random Gaussian direction."""
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     g = torch.Generator().manual_seed(seed)
