@@ -320,3 +320,27 @@ def test_no_negative_zero_in_the_price_table_and_summary():
     assert "-0.000" not in summary and "measured gap closed on profile: 0.000" in summary
     p.measured["profile"]["gap_closed"] = -0.25
     assert "| -0.250 |" in format_price_table([p])  # real negatives keep their sign
+
+
+# item 13 (runtime): a plan over another number of units than the model has is refused naming the plan
+def test_a_plan_for_another_model_is_refused_at_train_begin_naming_the_plan(tiny_llama_dir, tmp_path):
+    import datasets
+    import peft
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_hf.units import find_linear_units
+
+    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"), recovery_source=tiny_llama_dir, units="linears",
+                                      dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    n = len(find_linear_units(model))
+    assert n == 28
+    callback = gnmr_hf.GNMRCallback(policy=gnmr_hf.StaticPolicy(84, [0, 83]))  # a 12-layer model's plan
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, callbacks=[callback],
+                      train_dataset=datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in ids]))
+    with pytest.raises(ValueError, match=r"the policy StaticSetPolicy was built for 84 units .*but the model has 28 "
+                                         r"\(.*layers\.0\.self_attn\.q_proj, \.\.\.\)"):
+        trainer.train()

@@ -252,6 +252,11 @@ class GNMRCallback(TrainerCallback):
         for name in ("step", "initial_mask", "state_dict", "load_state_dict", "summary"):
             if not callable(getattr(policy, name, None)):
                 raise TypeError(f"GNMRCallback: the policy {type(policy).__name__} has no method {name}()")
+        planned = getattr(policy, "num_units", None)
+        if isinstance(planned, int) and planned != num_units:
+            raise ValueError(f"GNMRCallback: the policy {type(policy).__name__} was built for {planned} units (a plan "
+                             f"over {planned} units), but the model has {num_units} ({self._units[0][0]}, ...): "
+                             "build the plan on this model, with the same unit grain (prepare_dual_path(units=...))")
         return policy
 
     def _resume(self, state) -> list[int]:
