@@ -245,3 +245,111 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
             new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         setattr(modules[parent_name], child, new)
     return model
+
+
+#: the ladder table's budgets: memory over the all-low model (weights and quant states, as loaded)
+MEMORY_POINTS = (0.05, 0.10, 0.25)
+#: the rung sets each budget is planned with: BF16 only (today's plan), INT8 only, the ladder
+RUNG_SETS = (("bf16",), ("int8",), ("int8", "bf16"))
+
+
+def _stock_low(model_path, low: str, dtype, double_quant: bool = False, skip: list[str] | None = None):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    skip = ["lm_head"] + list(skip or [])
+    if low == "int8":
+        q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    else:
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_use_double_quant=double_quant,
+                               bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=skip)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q)
+    if low != "int8":
+        _reference_layout(model)
+    return model.eval()
+
+
+def _reference_layout(model) -> None:
+    """bitsandbytes' reference de-quantise + matmul (as the dual path and the recipes compute), so the
+    table's losses equal the profile's on CPUs whose bitsandbytes would repack 4-bit weights."""
+    from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+    keep_reference_layout(model)
+
+
+def _loss(model, batches) -> float:
+    """Token-weighted mean loss over ``batches`` (the labels' non-ignored shifted targets)."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            n = int((b["labels"][..., 1:] != -100).sum())
+            out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
+            total += float(out.loss) * n
+            count += n
+    return total / max(count, 1)
+
+
+def ladder_table(model_path, batches, low: str = "nf4", dtype=None, points=MEMORY_POINTS,
+                 rung_sets=RUNG_SETS, double_quant: bool = False, progress: bool = True) -> dict[str, Any]:
+    """At each budget of memory over the all-``low`` model, the plan of each rung set (BF16 only, INT8
+    only, the ladder), its first-order predicted gain and its measured loss on ``batches`` (each plan
+    loaded with :func:`load_planned`), with the gap closed ``(L_low - L) / (L_low - L_high)``."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    dtype = dtype or torch.float32
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar at each of the loads
+    try:
+        return _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant)
+    finally:
+        if bars and not progress:
+            hf_logging.enable_progress_bar()
+
+
+def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant) -> dict[str, Any]:
+    import torch
+
+    from gnmr_hf.memory import model_bytes
+
+    stock = _stock_low(model_path, low, dtype, double_quant)
+    units = rung_gains(stock, model_path, batches, low, double_quant)
+    low_bytes = model_bytes(stock)["total"]
+    l_low = _loss(stock, batches)
+    del stock
+    l_high = _loss(_stock_low(model_path, low, dtype, double_quant, skip=[u.name for u in units]), batches)
+    rows = []
+    for f in points:
+        budget = int(f * low_bytes)
+        for rs in rung_sets:
+            chosen = choose_rungs(units, budget, rs)
+            gain, price = plan_gain(units, chosen)
+            mixed = load_planned(model_path, chosen, low, dtype=dtype, compute_dtype=dtype, double_quant=double_quant)
+            if low != "int8":
+                _reference_layout(mixed)
+            # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
+            # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
+            held = model_bytes(mixed)["total"] - low_bytes if dtype == torch.bfloat16 else None
+            loss = _loss(mixed.eval(), batches)
+            del mixed
+            rows.append({"memory_over_low": f, "budget_bytes": budget, "rungs": "+".join(rs),
+                         "int8": sum(r == "int8" for r in chosen.values()),
+                         "bf16": sum(r == "bf16" for r in chosen.values()), "price_bytes": price, "held_bytes": held,
+                         "predicted_gain": gain, "loss": loss,
+                         "gap_closed": (l_low - loss) / (l_low - l_high) if l_low != l_high else None,
+                         "rung_of": chosen})
+    return {"low": low, "low_model_bytes": low_bytes, "loss_low": l_low, "loss_high": l_high, "rows": rows}
+
+
+def format_ladder_table(table: dict[str, Any]) -> str:
+    low = table["low"].upper()
+    lines = [f"| memory over {low} | rungs | INT8 linears | BF16 linears | served over {low} (MiB) | "
+             "predicted gain | loss | gap closed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in table["rows"]:
+        gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.3f}"
+        gain = f"{r['predicted_gain']:.4f}".replace("-0.0000", "0.0000")  # no -0.0000
+        lines.append(f"| +{100 * r['memory_over_low']:g} % | {r['rungs']} | {r['int8']} | {r['bf16']} | "
+                     f"{r['price_bytes'] / 2**20:.2f} | {gain} | {r['loss']:.4f} | {gap} |")
+    return "\n".join(lines)

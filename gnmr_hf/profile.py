@@ -1441,6 +1441,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: recipes/smollm2-135m/<low>.yaml)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
+    p.add_argument("--no-ladder", action="store_true",
+                   help="4-bit low paths: skip the precision ladder's table (INT8 and BF16 rungs under budgets of "
+                        "memory over the 4-bit model; gnmr_hf.ladder, one model load per row)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -1703,6 +1706,17 @@ def _run(args: argparse.Namespace) -> int:
     print(f"price table (gap closed = (L_low - L_plan) / (L_low - L_high); L_low {prof.losses['low']:.4f}, "
           f"L_high {prof.losses['high']:.4f} on the profile batches):")
     print(format_price_table(price))
+    ladder_rows = None
+    if args.low != "int8" and not args.no_ladder:
+        from gnmr_hf.ladder import format_ladder_table, ladder_table
+
+        print(f"\n[profile] the precision ladder: each linear on {args.low}, INT8 or BF16, planned under memory over "
+              f"the {args.low} model (one load per row) ...", flush=True)
+        ladder_rows = ladder_table(model_path, batches, args.low, dtype=dtype, progress=not args.quiet)
+        print(f"ladder price table (gap closed on the profile batches; L_low {ladder_rows['loss_low']:.4f}, "
+              f"L_high {ladder_rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact "
+              "bytes with BF16 rungs in BF16):")
+        print(format_ladder_table(ladder_rows))
     print()
     print(main_plan.summary())
     skips = main_plan.skip_modules()
@@ -1711,6 +1725,7 @@ def _run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
                         plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
+                        **({} if ladder_rows is None else {"ladder": ladder_rows}),
                         command="gnmr-hf profile " + shlex.join(args.argv))
     written = [str(path)]
     if not args.no_plot:

@@ -213,10 +213,12 @@ LAYERS = {
     "memory": set(),  # byte accounting from shapes: imports nothing of the package
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
     "export": {"export", "profile", "memory", "offline"},  # reads profile.json, prices, resolves aliases
-    "ladder": {"memory"},  # rung prices from shapes; gains and loading from stock bnb modules
+    # rung prices from shapes; gains and loading from stock bnb modules, in bnb's reference layout
+    "ladder": {"memory", "backends"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
-    # the profile's CLI finds the shipped recipes through the demo's finder, and parses as the other commands
-    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils"},
+    # the profile's CLI finds the shipped recipes through the demo's finder, and parses as the other commands;
+    # it prints the ladder's table beside the BF16-only one
+    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils", "ladder"},
 }
 
 
