@@ -52,6 +52,7 @@ from typing import Any, Literal
 from transformers import HfArgumentParser, TrainingArguments
 
 GENERATED = "generated-arithmetic"
+TEXT = "text:"  # dataset: text:PATH, plain text (a file, a folder or a glob): gnmr_hf.offline.text_data
 SMOLLM2 = "smollm2-135m-instruct"
 INT8_PRECISIONS = ("int8", "gnmr")
 NF4_PRECISIONS = ("nf4", "gnmr-nf4")
@@ -80,8 +81,12 @@ class ScriptArguments:
         precision (`str`): bf16, int8, gnmr, nf4 or gnmr-nf4 (see the module docstring).
         bnb_4bit_use_double_quant (`bool`): nf4 / gnmr-nf4: quantise the 4-bit scales too (QLoRA's
             double quantisation).
-        dataset (`str`): a hub id (``"openai/gsm8k"``), a local .json/.jsonl file or folder of them, or
-            ``"generated-arithmetic"`` (GSM8K-schema word problems from ``gnmr_hf.offline.gsm8k``).
+        dataset (`str`): a hub id (``"openai/gsm8k"``), a local .json/.jsonl file or folder of them,
+            ``"generated-arithmetic"`` (GSM8K-schema word problems from ``gnmr_hf.offline.gsm8k``), or
+            ``"text:PATH"``: plain text (a file, a folder searched recursively, or a glob; e.g. the Python
+            docs, ``text:/usr/share/doc/python3.11/html/_sources``) cut into blocks of ``max_seq_len`` tokens
+            with the loss on every token, every 20th file held out (``gnmr_hf.offline.text_data``; the
+            templates are not used).
         dataset_config (`str`, *optional*): the hub dataset's config name (``"main"`` for openai/gsm8k).
         dataset_split (`str`): the split to train on.
         data_dir (`str`, *optional*): where generated-arithmetic writes its files; default
@@ -740,6 +745,23 @@ def load_records(script: ScriptArguments, output_dir: str):
     return ds
 
 
+def text_dataset(script: ScriptArguments, tokenizer):
+    """``dataset: text:PATH``: the training blocks of ``gnmr_hf.offline.text_data.text_task`` as a
+    ``datasets.Dataset`` (``max_train_examples`` keeps the first blocks), and the split's summary."""
+    import datasets
+
+    from gnmr_hf.offline.text_data import text_task
+
+    source = script.dataset[len(TEXT):]
+    try:
+        train, _, summary = text_task(source, tokenizer, script.max_seq_len)
+    except (FileNotFoundError, ValueError) as e:
+        raise RecipeError(f"dataset {script.dataset}: {e}") from None
+    if script.max_train_examples is not None:
+        train = train[: script.max_train_examples]
+    return datasets.Dataset.from_list(train), summary
+
+
 def tokenize_dataset(script: ScriptArguments, records, tokenizer):
     """Token ids and labels: the prompt's labels are -100, so the loss covers only the response."""
     fields = template_fields(script.prompt_template, script.response_template)
@@ -902,8 +924,12 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         tokenizer.pad_token = tokenizer.eos_token
 
     # one process writes the generated data and the tokenised cache, the others then read them
+    text_summary = None
     with args.main_process_first(desc="dataset"):
-        train_ds = tokenize_dataset(script, load_records(script, args.output_dir), tokenizer)
+        if script.dataset.startswith(TEXT):
+            train_ds, text_summary = text_dataset(script, tokenizer)
+        else:
+            train_ds = tokenize_dataset(script, load_records(script, args.output_dir), tokenizer)
 
     callbacks = list(extra_callbacks or [])
     if recipe.profile.enabled:
@@ -988,6 +1014,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
             **peak_memory(),
             "gnmr_summary": None,
         }
+        if text_summary is not None:
+            record["text_data"] = text_summary
         if planned is not None:
             record["profile"] = {**recipe.profile.to_dict(), "plan": planned}
         if loftq is not None:

@@ -13,13 +13,14 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def make_tiny_llama(path, num_layers: int = 4, seed: int = 0, hidden: int = 64):
-    """Save a tiny random LLaMA (BF16 safetensors) to ``path`` and return the folder."""
+def make_tiny_llama(path, num_layers: int = 4, seed: int = 0, hidden: int = 64, vocab_size: int = 128):
+    """Save a tiny random LLaMA (BF16 safetensors) to ``path`` and return the folder (``vocab_size``
+    49152 takes the SmolLM2 tokenizer's ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=128,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=num_layers,

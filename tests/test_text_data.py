@@ -101,3 +101,56 @@ def test_the_shipped_sample_with_a_real_tokenizer():
     assert len(files) == 5
     train, held = text_data.split_by_file(files, 2)
     assert [f.name for f in held] == [files[1].name, files[3].name]
+
+
+# the recipes' dataset: text:PATH
+def _tiny_with_tokenizer(tmp_path, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "tiny", num_layers=2, seed=4, hidden=32, vocab_size=len(AutoTokenizer.from_pretrained(smollm2_dir)))
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
+def _corpus(folder, n=21):
+    folder.mkdir()
+    for i in range(n):  # file 20 is held out
+        (folder / f"page{i:02d}.rst.txt").write_text(f"Page {i}. " + "The quick brown fox jumps over the dog. " * 12)
+    return folder
+
+
+def test_a_recipe_trains_on_plain_text(tmp_path, smollm2_dir):
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import finetune
+
+    model = _tiny_with_tokenizer(tmp_path, smollm2_dir)
+    corpus = _corpus(tmp_path / "docs")
+    out = tmp_path / "run"
+    recipe = finetune.load_config(["--config", str(Path(finetune.__file__).parent / "smollm2-135m" / "bf16.yaml"),
+                                   "--model", str(model), "--dataset", f"text:{corpus}", "--max_seq_len", "32",
+                                   "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                                   "--compute_dtype", "float32", "--disable_tqdm", "true", "--save_strategy", "no",
+                                   "--report_to", "none", "--use_cpu", "true"])
+    record = finetune.run(recipe)
+    assert record["status"] == "complete" and record["global_step"] == 2
+    text = record["text_data"]
+    assert (text["files"], text["train_files"], text["heldout_files"]) == (21, 20, 1)
+    assert text["block_size"] == 32 and record["num_train_examples"] == text["train_blocks"] > 2
+    assert json.loads((out / "run.json").read_text())["text_data"] == text
+
+
+def test_a_text_dataset_that_is_missing_is_one_line(tmp_path, smollm2_dir):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import finetune
+    from transformers import AutoTokenizer
+
+    script = finetune.ScriptArguments(dataset=f"text:{tmp_path / 'nothing'}")
+    with pytest.raises(finetune.RecipeError, match=r"dataset text:.*nothing: .* is neither a folder"):
+        finetune.text_dataset(script, AutoTokenizer.from_pretrained(smollm2_dir))
