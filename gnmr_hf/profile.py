@@ -1295,21 +1295,79 @@ def parse_budget(text: str) -> tuple[int | None, float | None]:
     return int(size), None
 
 
+def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[str], low: str,
+                  double_quant: bool = False) -> dict[str, Any] | None:
+    """A budget written as memory over the all-low model (``"+10%nf4"``, :func:`gnmr_hf.memory.parse_memory_budget`)
+    turned into the planner's currency, BF16 bytes of kept linears; ``None`` for a budget in another form.
+
+    The all-low model is ``model_path``'s checkpoint as a stock load stores it (``modules``, the quantised
+    linears, in ``low`` with their quant states; everything else in BF16), priced from its config on the
+    meta device (:func:`gnmr_hf.memory.predict_model_bytes`). Each kept linear costs
+    :func:`~gnmr_hf.memory.extra_bytes_over_low` over ``low``; the BF16 budget is the memory budget times
+    the linears' BF16 bytes per byte of that price (for NF4 and FP4 each linear costs 1.4375 bytes a weight
+    less its 64-byte code table, so the ratio is 2 / 1.4375 to within the code tables' share).
+
+    Returns ``{"fraction", "low", "low_model_bytes", "over_low_bytes", "bf16_per_over_byte", "bf16_budget"}``.
+
+    Raises:
+        ValueError: the budget names another low path than ``low`` (one line).
+    """
+    from gnmr_hf.memory import parse_memory_budget
+
+    parsed = parse_memory_budget(str(text))
+    if parsed is None:
+        return None
+    fraction, cur = parsed
+    if cur != low:
+        raise ValueError(f"budget {text!r} is memory over the {cur} model, but this model's low path is {low}")
+    out = over_low_prices(model_path, modules, low, double_quant)
+    over = int(fraction * out["low_model_bytes"])
+    return {"fraction": fraction, **out, "over_low_bytes": over, "bf16_budget": int(over * out["bf16_per_over_byte"])}
+
+
+def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: str,
+                    double_quant: bool = False) -> dict[str, Any]:
+    """``{"low", "low_model_bytes", "bf16_per_over_byte"}``: the all-low model's bytes as a stock load
+    stores it, and the kept linears' BF16 bytes per byte they cost over ``low`` (see :func:`memory_budget`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gnmr_hf.memory import extra_bytes_over_low, predict_model_bytes
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    mods = dict(meta.named_modules())
+    missing = [m for m in modules if m not in mods]
+    if missing:
+        raise ValueError(f"{len(missing)} quantised linear(s) not in {model_path}'s config, e.g. {missing[0]}")
+    low_total = predict_model_bytes(meta, list(modules), low, double_quant=double_quant)["total"]
+    bf16 = sum(mods[m].weight.numel() * 2 for m in modules)
+    price = sum(extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low,
+                                     double_quant=double_quant) for m in modules)
+    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": bf16 / price}
+
+
 def _pct(fraction: float) -> str:
     v = 100 * fraction
     return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
 
 
-def format_price_table(plans: Sequence[PrecisionPlan]) -> str:
-    """The price table: per budget, predicted and measured gap closed, bytes and modules."""
+def format_price_table(plans: Sequence[PrecisionPlan], over_low: dict[str, Any] | None = None) -> str:
+    """The price table: per budget, predicted and measured gap closed, bytes and modules; with
+    ``over_low`` (:func:`memory_budget`'s record) also each plan's memory over the all-low model."""
     wheres = sorted({w for p in plans for w in p.measured}, key=lambda w: (w != "profile", w))
     head = ["budget", "criterion", "predicted gap closed"] + [f"measured gap closed ({w})" for w in wheres] + [
-        "extra MiB (BF16)", "% of quantised", "modules"]
+        "extra MiB (BF16)", "% of quantised"] + (
+        [f"memory over {over_low['low'].upper()}"] if over_low else []) + ["modules"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in plans:
         row = [f"{_pct(p.budget_fraction)} %", p.criterion, _fmt(p.predicted_gap_closed, ".3f")]
         row += [_fmt(p.measured.get(w, {}).get("gap_closed"), ".3f") for w in wheres]
-        row += [f"{p.bytes / 2**20:.1f}", f"{100 * p.fraction:.1f}", str(len(p.indices))]
+        row += [f"{p.bytes / 2**20:.1f}", f"{100 * p.fraction:.1f}"]
+        if over_low:
+            row.append(f"+{100 * p.bytes / over_low['bf16_per_over_byte'] / over_low['low_model_bytes']:.1f} %")
+        row.append(str(len(p.indices)))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -1411,7 +1469,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
     p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
     p.add_argument("--budget", default="10%",
-                   help="extra BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
+                   help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), or extra "
+                        "BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
                         "in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B; a bare number above 1 is "
                         "refused as ambiguous); it must buy at least the smallest linear and stay within the total "
                         "(checked once the model is loaded, before profiling); default 10%%")
@@ -1572,7 +1631,12 @@ def _examples(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    budget_bytes, budget_fraction = parse_budget(args.budget)
+    from gnmr_hf.memory import parse_memory_budget
+
+    memory = parse_memory_budget(args.budget)  # "+10%nf4": converted once the model's linears are known
+    if memory is not None and memory[1] != args.low:
+        raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
+    budget_bytes, budget_fraction = (None, None) if memory is not None else parse_budget(args.budget)
     criteria = _criteria(args.criterion)
     for flag in ("batches", "batch_size", "max_seq_len", "threads"):
         v = getattr(args, flag)
@@ -1669,6 +1733,14 @@ def _run(args: argparse.Namespace) -> int:
     # the budget against the model's linears, before the profile costs anything
     info = _units(model, None)
     sizes, unit_names = [u.bytes for u in info], [u.name for u in info]
+    linears = [m for u in info for m in u.modules]
+    over_low = over_low_prices(model_path, linears, args.low)  # the price table's second currency
+    if memory is not None:
+        over_low = memory_budget(args.budget, model_path, linears, args.low)
+        budget_bytes = over_low["bf16_budget"]
+        print(f"[profile] budget {args.budget}: {over_low['over_low_bytes'] / 2**20:.2f} MiB over the "
+              f"{over_low['low_model_bytes'] / 2**20:.1f} MiB {args.low} model = {budget_bytes / 2**20:.2f} MiB of "
+              f"BF16 weights ({100 * budget_bytes / sum(sizes):.1f} % of the quantised linears')", flush=True)
     want = budget_bytes if budget_bytes is not None else int(budget_fraction * sum(sizes))
     why = budget_error(sizes, want, unit_names)
     if why:
@@ -1705,7 +1777,7 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(f"price table (gap closed = (L_low - L_plan) / (L_low - L_high); L_low {prof.losses['low']:.4f}, "
           f"L_high {prof.losses['high']:.4f} on the profile batches):")
-    print(format_price_table(price))
+    print(format_price_table(price, over_low))
     ladder_rows = None
     if args.low != "int8" and not args.no_ladder:
         from gnmr_hf.ladder import format_ladder_table, ladder_table

@@ -269,7 +269,14 @@ class ProfileArguments:
         if "budget" in block:
             out.budget = str(block["budget"])
         try:
-            parse_budget(out.budget)
+            from gnmr_hf.memory import parse_memory_budget
+
+            memory = parse_memory_budget(out.budget)  # "+10%nf4": memory over the all-NF4 model
+            if memory is not None and memory[1] != "nf4":
+                raise ValueError(f"budget {out.budget!r} is memory over the {memory[1]} model; the recipes' "
+                                 "planned runs have an NF4 base: write +N%nf4")
+            if memory is None:
+                parse_budget(out.budget)
         except ValueError as e:
             raise RecipeError(f"profile.{e}") from None
         if block.get("criterion") is not None:
@@ -836,7 +843,8 @@ def stored_bytes_per_bf16_byte(model) -> float:
     return torch.finfo(dtypes.pop()).bits / 16
 
 
-def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dict[str, Any]]:
+def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
+                   model_path: str | None = None) -> tuple[Any, dict[str, Any]]:
     """Profile the first ``recipe.profile.batches`` training batches, plan the BF16 linears within the
     budget and build the callback's policy (``StaticPolicy`` or ``HybridPolicy``); writes
     ``{output_dir}/profile.json`` (the profile, the plan and its ``skip_modules``) on the main process.
@@ -848,7 +856,7 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dic
 
     import gnmr_hf
     from gnmr_hf.core.controller import init_steps_from_fraction
-    from gnmr_hf.profile import DEFAULT_CRITERION, parse_budget
+    from gnmr_hf.profile import DEFAULT_CRITERION, memory_budget, parse_budget
 
     prof_args, args = recipe.profile, recipe.training
     bs = args.per_device_train_batch_size
@@ -863,12 +871,19 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dic
     # every rank profiles the same batches of the same weights, so every rank plans the same set
     profile = gnmr_hf.profile_sensitivity(model, batches, criteria=(criterion,),
                                           progress=args.process_index == 0 and not args.disable_tqdm)
-    budget_bytes, fraction = parse_budget(prof_args.budget)
+    over_low = memory_budget(prof_args.budget, model_path or resolve_model_path(recipe.script.model),
+                             [m for u in profile.units for m in u.modules], "nf4",
+                             double_quant=recipe.script.bnb_4bit_use_double_quant)
+    scale = stored_bytes_per_bf16_byte(model)
+    if over_low is not None:
+        # "+10%nf4": the plan adds that much to the served NF4 model (BF16 rungs); held in training at `scale`
+        budget_bytes, fraction = int(over_low["bf16_budget"] * scale), None
+    else:
+        budget_bytes, fraction = parse_budget(prof_args.budget)
     budget = budget_bytes if budget_bytes is not None else int(fraction * profile.total_bytes)
     planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
     # the budget counts the bytes the recovery path holds: the profile prices BF16 weights, the dual
     # path stores them in the compute dtype (FP32 doubles each unit's price)
-    scale = stored_bytes_per_bf16_byte(model)
     plan = gnmr_hf.plan(profile, budget_bytes=int(planned_budget // scale), criterion=criterion, model=model,
                         batches=batches)
     unit_bytes = [int(u.bytes * scale) for u in profile.units]
@@ -887,7 +902,7 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer) -> tuple[Any, dic
     # whole budget in held bytes
     record = {**plan.to_dict(), "plan_budget_bytes": plan.budget_bytes, "criterion": criterion,
               "budget_bytes": budget, "policy": prof_args.policy, "held_bytes": sum(unit_bytes[i] for i in plan.indices),
-              "stored_bytes_per_bf16_byte": scale,
+              "stored_bytes_per_bf16_byte": scale, **({} if over_low is None else {"memory_budget": over_low}),
               "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -951,7 +966,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         model.print_trainable_parameters()
     planned = None
     if recipe.profile.enabled:
-        policy, planned = planned_policy(recipe, model, train_ds, tokenizer)
+        policy, planned = planned_policy(recipe, model, train_ds, tokenizer, model_path)
         callbacks.append(__import__("gnmr_hf").GNMRCallback(policy=policy))
     loftq = None
     if recipe.lora.lora_init == "loftq":

@@ -344,3 +344,24 @@ def test_a_plan_for_another_model_is_refused_at_train_begin_naming_the_plan(tiny
     with pytest.raises(ValueError, match=r"the policy StaticSetPolicy was built for 84 units .*but the model has 28 "
                                          r"\(.*layers\.0\.self_attn\.q_proj, \.\.\.\)"):
         trainer.train()
+
+
+# the budget in memory over the all-low model (the user's currency), and the price table in both
+def test_cli_budget_in_memory_over_nf4(tiny_with_tokenizer, tmp_path, capsys):
+    out = tmp_path / "prof"
+    code, stdout, err = cli(capsys, "--model", str(tiny_with_tokenizer), "--output", str(out), "--batch-size", "2",
+                            "--budget", "+25%nf4", "--no-plot", "--no-ladder", "--quiet")
+    assert code == 0, err
+    saved = json.loads((out / "profile.json").read_text())
+    line = next(x for x in stdout.splitlines() if x.startswith("[profile] budget +25%nf4:"))
+    assert "over the 0.1 MiB nf4 model" in line
+    from gnmr_hf.profile import over_low_prices
+
+    prices = over_low_prices(tiny_with_tokenizer, [m for u in saved["units"] for m in u["modules"]], "nf4")
+    # the plan's bytes over NF4 stay within 25 % of the all-NF4 model
+    assert 0 < saved["plan"]["bytes"] / prices["bf16_per_over_byte"] <= 0.25 * prices["low_model_bytes"]
+    header = next(x for x in stdout.splitlines() if x.startswith("| budget |"))
+    assert "memory over NF4" in header
+    code, _, err = cli(capsys, "--model", str(tiny_with_tokenizer), "--output", str(tmp_path / "p2"),
+                       "--budget", "+10%int8", "--no-plot", "--quiet")
+    assert code == 2 and err[-1].endswith("--budget +10%int8 is memory over the int8 model, but --low is nf4")

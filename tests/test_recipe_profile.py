@@ -112,19 +112,20 @@ def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
 
 
 # issue 26 item 2: the budget is what the recovery path holds, in the dtype it stores
-def _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, policy="static"):
+def _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, policy="static", budget="10%"):
     import torch
     from transformers import AutoTokenizer
 
     recipe = finetune.validate(finetune.load_config([
         "--config", str(SMOL / f"{'planned' if policy == 'static' else 'hybrid'}-nf4.yaml"),
-        "--profile.budget", "10%", "--output_dir", str(tmp_path / dtype), "--compute_dtype", dtype,
+        "--profile.budget", budget, "--output_dir", str(tmp_path / dtype), "--compute_dtype", dtype,
         "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]))
     model = finetune.load_model(recipe, str(tiny_llama_dir))
     g = torch.Generator().manual_seed(0)
     ds = [{"input_ids": ids, "attention_mask": [1] * 12, "labels": ids}
           for ids in torch.randint(0, 128, (8, 12), generator=g).tolist()]
-    policy, record = finetune.planned_policy(recipe, model, ds, AutoTokenizer.from_pretrained(smollm2_dir))
+    policy, record = finetune.planned_policy(recipe, model, ds, AutoTokenizer.from_pretrained(smollm2_dir),
+                                             str(tiny_llama_dir))
     return model, policy, record
 
 
@@ -193,3 +194,40 @@ def test_profile_batches_beyond_the_data_is_refused_before_the_model_loads(tmp_p
     with pytest.raises(finetune.RecipeError, match=r"profile\.batches 1000 \(set on the command line\) x batch size "
                                                    r"\d+ is more than the 16 training examples"):
         finetune.run(recipe)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_budget_in_memory_over_nf4(tiny_llama_dir, smollm2_dir, tmp_path, dtype):
+    # +25%nf4: the plan adds at most 25 % to the all-NF4 model as served (BF16 rungs), worked out from shapes:
+    # the tiny LLaMA's 28 linears (64x64 q/o, 32x64 k/v, 128x64 gate/up, 64x128 down) cost 1.4375 bytes a weight
+    # over NF4; the rest (embeddings, head, norms) stays BF16
+    from gnmr_hf.memory import model_bytes
+
+    _, _, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, budget="+25%nf4")
+    mem = record["memory_budget"]
+    linear_numel = 4 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)
+    rest = 2 * (128 * 64 * 2 + 64 * (2 * 4 + 1))  # embed + lm_head, the RMSNorm weights, in BF16
+    nf4 = linear_numel // 2 + (linear_numel // 64) * 4  # packed weights + FP32 absmax per block of 64
+    stock = model_bytes(_stock_nf4(tiny_llama_dir))["total"]
+    code = 28 * 16 * 4  # each linear's quant state holds the 16-entry FP32 NF4 code table
+    rotary = 2 * 8 * 4  # inv_freq and original_inv_freq (head_dim 16), FP32 buffers
+    assert mem["low_model_bytes"] == stock == rest + nf4 + code + rotary
+    # a linear of n weights costs 2n in BF16 against n/2 + n/16 (absmax) + 64 (code table) in NF4
+    price = 2 * linear_numel - (nf4 + code)
+    assert mem["bf16_per_over_byte"] == pytest.approx(2 * linear_numel / price)
+    scale = 2.0 if dtype == "float32" else 1.0
+    served_over = record["bytes"] / mem["bf16_per_over_byte"]
+    assert 0 < served_over <= 0.25 * stock and record["budget_bytes"] == int(mem["bf16_budget"] * scale)
+
+
+def _stock_nf4(path):
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=q)
+
+
+def test_a_memory_budget_over_another_low_path_is_refused():
+    with pytest.raises(finetune.RecipeError, match=r"profile\.budget '\+10%int8' is memory over the int8 model"):
+        finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"), "--profile.budget", "+10%int8"])
