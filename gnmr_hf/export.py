@@ -210,6 +210,25 @@ def model_card(summary: dict[str, Any], model_path: Path, has_adapter: bool, mer
               f"{summary['all_low_weights_bytes'] / mib:.1f} MiB |",
               f"| weights held when loaded (parameters, buffers, quant states) | {summary['weights_held_bytes'] / mib:.1f} MiB |",
               ""]
+    if not merge and summary.get("all_low_weights_bytes"):
+        over = summary["weights_held_bytes"] / summary["all_low_weights_bytes"] - 1
+        lines += [f"Memory over the all-{(summary['quant'] or 'nf4').upper()} model: **{100 * over:+.1f} %** (weights held "
+                  "when loaded against the predicted all-low load).", ""]
+    price = summary.get("price") or []
+    if price and not merge:
+        low = (summary["quant"] or "nf4").upper()
+        # each kept linear costs its BF16 bytes less its low bytes: 1.4375 of 2 for NF4/FP4, ~1 of 2 for INT8
+        ratio = 2 / 1.4375 if low in ("NF4", "FP4") else 2.0
+        lines += [f"The price table of the profile, in both currencies (memory over {low} from BF16 bytes by "
+                  f"the per-weight price, {ratio:.3f} BF16 bytes per byte over {low}):", "",
+                  f"| budget (BF16 bytes of the quantised linears) | linears kept | extra MiB (BF16) | memory over {low} |"
+                  " measured gap closed |", "|---|---|---|---|---|"]
+        for row in price:
+            gaps = ", ".join(f"{w} {m.get('gap_closed', float('nan')):.3f}" for w, m in (row.get("measured") or {}).items())
+            lines.append(f"| {100 * row.get('budget_fraction', 0):.0f} % | {len(row.get('indices', []))} | "
+                         f"{row.get('bytes', 0) / mib:.1f} | "
+                         f"+{100 * row.get('bytes', 0) / ratio / summary['all_low_weights_bytes']:.1f} % | {gaps or '-'} |")
+        lines.append("")
     if plan:
         lines.append(f"Plan: {len(plan.get('indices', []))} linears, {100 * plan.get('fraction', 0):.1f} % of the "
                      "quantised weights' BF16 bytes.")

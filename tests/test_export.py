@@ -64,6 +64,9 @@ def test_round_trip_loads_with_no_arguments_as_the_planned_model(planned, tmp_pa
     assert summary["bytes_on_disk"] < summary["bf16_checkpoint_bytes"] + 2**20
     card = (out / "README.md").read_text()
     assert all(f"`{m}`" in card for m in planned_names)
+    # the price in the user's currency: the held weights against the predicted all-low load
+    over = summary["weights_held_bytes"] / summary["all_low_weights_bytes"] - 1
+    assert over > 0 and f"**{100 * over:+.1f} %**" in card
     if quant == "nf4":
         # the stock load equals the dual-path model with the plan active, bit for bit (CPU, FP32 compute)
         from gnmr_hf.backends.bnb_4bit import keep_reference_layout
@@ -203,3 +206,18 @@ def test_cli_one_line_error_and_summary(planned, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("gnmr-hf export: error:")
     assert main(["export", "--model", str(path), "--plan", str(prof_dir), "--output", str(tmp_path / "o")]) == 0
     assert "MiB on disk" in capsys.readouterr().out
+
+
+def test_model_card_price_table_in_both_currencies(tmp_path):
+    from gnmr_hf.export import model_card
+
+    mib = 2**20
+    summary = {"kind": "NF4 + plan", "quant": "nf4", "kept": ["model.layers.0.self_attn.v_proj"],
+               "bytes_on_disk": 129 * mib, "bf16_checkpoint_bytes": 256 * mib, "all_low_weights_bytes": 100 * mib,
+               "weights_held_bytes": 116 * mib, "plan": {},
+               "price": [{"budget_fraction": 0.1, "indices": [1, 2, 3], "bytes": 23 * mib,
+                          "measured": {"profile": {"gap_closed": 0.5}}}]}
+    card = model_card(summary, tmp_path / "m", has_adapter=False, merge=False)
+    assert "**+16.0 %**" in card
+    # 23 MiB of BF16 weights cost 23 x 1.4375 / 2 = 16.53 MiB over NF4: +16.5 % of the 100 MiB all-NF4 model
+    assert "| 10 % | 3 | 23.0 | +16.5 % | profile 0.500 |" in card
