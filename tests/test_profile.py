@@ -460,5 +460,10 @@ def test_cli_end_to_end_on_smollm2(smollm2_dir, tmp_path):
     assert data["plan"]["bytes"] <= 0.1 * data["total_bytes"]
     assert [p["budget_fraction"] for p in data["price"]] == pytest.approx([0.05, 0.10, 0.25], abs=1e-6)
     assert (out / "profile.png").stat().st_size > 10_000
+    # the precision ladder's table beside the BF16-only one: 3 budgets x (BF16, INT8, ladder)
+    assert "ladder price table" in r.stdout and "| +10 % | int8+bf16 |" in r.stdout
+    rows = data["ladder"]["rows"]
+    assert [(x["memory_over_low"], x["rungs"]) for x in rows][:3] == [(0.05, "bf16"), (0.05, "int8"), (0.05, "int8+bf16")]
+    assert all(0 < x["price_bytes"] <= x["budget_bytes"] for x in rows)
     prof = SensitivityProfile.from_json(out / "profile.json")
     assert prof.score_names == ["first_order"]
