@@ -217,8 +217,9 @@ LAYERS = {
     "ladder": {"memory", "backends"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     # the profile's CLI finds the shipped recipes through the demo's finder, and parses as the other commands;
-    # it prints the ladder's table beside the BF16-only one
-    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils", "ladder"},
+    # it prints the ladder's table beside the BF16-only one and prices budgets in memory over the low model
+    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils", "ladder",
+                "memory"},
 }
 
 
