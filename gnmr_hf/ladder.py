@@ -254,15 +254,10 @@ RUNG_SETS = (("bf16",), ("int8",), ("int8", "bf16"))
 
 
 def _stock_low(model_path, low: str, dtype, double_quant: bool = False, skip: list[str] | None = None):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    skip = ["lm_head"] + list(skip or [])
-    if low == "int8":
-        q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
-    else:
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_use_double_quant=double_quant,
-                               bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=skip)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q)
+    """The stock-loaded ``low`` model with ``skip`` on BF16 (:func:`load_planned` with BF16 rungs), in
+    bitsandbytes' reference layout, in eval mode."""
+    model = load_planned(model_path, {n: "bf16" for n in skip or []}, low, dtype=dtype, compute_dtype=dtype,
+                         double_quant=double_quant)
     if low != "int8":
         _reference_layout(model)
     return model.eval()
@@ -328,7 +323,7 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
             gain, price = plan_gain(units, chosen)
             mixed = load_planned(model_path, chosen, low, dtype=dtype, compute_dtype=dtype, double_quant=double_quant)
             if low != "int8":
-                _reference_layout(mixed)
+                _reference_layout(mixed)  # as _stock_low: the losses compare on one kernel
             # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
             # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
             held = model_bytes(mixed)["total"] - low_bytes if dtype == torch.bfloat16 else None

@@ -532,31 +532,25 @@ def _refuse_ignored_keys(recipe: Recipe) -> None:
         return where == "on the command line" or where == anchor
 
     policy = prof.policy
+
+    def refuse(block: str, given: dict[str, str], candidates, why: str) -> None:
+        k = next((k for k in candidates if k in given and by_user(given[k])), None)
+        if k is not None:
+            raise RecipeError(f"{block}.{k} (set {given[k]}) has no effect with profile.policy {policy}: {why}")
+
     if prof.enabled and policy == "static":
-        keys = [k for k, w in gnmr.given.items() if k != "monitor" and by_user(w)]
-        if keys:
-            k = keys[0]
-            raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect with profile.policy static: the planned "
-                              "set is fixed and no GNMR controller runs; use profile.policy hybrid (GNMR over the "
-                              "unplanned linears) or gnmr (the paper's controller)")
-        keys = [k for k in PROFILE_STATIC_ONLY_IGNORED if k in prof.given and by_user(prof.given[k])]
-        if keys:
-            raise RecipeError(f"profile.{keys[0]} (set {prof.given[keys[0]]}) has no effect with profile.policy "
-                              "static: it splits the budget of profile.policy hybrid")
+        refuse("gnmr", gnmr.given, [k for k in gnmr.given if k != "monitor"],
+               "the planned set is fixed and no GNMR controller runs; use profile.policy hybrid (GNMR over the "
+               "unplanned linears) or gnmr (the paper's controller)")
+        refuse("profile", prof.given, PROFILE_STATIC_ONLY_IGNORED, "it splits the budget of profile.policy hybrid")
     if prof.enabled and policy == "hybrid":
-        keys = [k for k in HYBRID_OVERWRITTEN if k in gnmr.given and by_user(gnmr.given[k])]
-        if keys:
-            k = keys[0]
-            raise RecipeError(f"gnmr.{k} (set {gnmr.given[k]}) has no effect with profile.policy hybrid: GNMR's "
-                              "count and bytes come from the plan (the budget times profile.gnmr_share); set "
-                              "profile.budget and profile.gnmr_share instead")
+        refuse("gnmr", gnmr.given, HYBRID_OVERWRITTEN,
+               "GNMR's count and bytes come from the plan (the budget times profile.gnmr_share); set "
+               "profile.budget and profile.gnmr_share instead")
     if policy == "gnmr":
-        keys = [k for k, w in prof.given.items() if k != "policy" and by_user(w)]
-        if keys:
-            k = keys[0]
-            raise RecipeError(f"profile.{k} (set {prof.given[k]}) has no effect with profile.policy gnmr: no profile "
-                              "is taken (the paper's controller over decoder layers); use profile.policy static or "
-                              "hybrid to plan")
+        refuse("profile", prof.given, [k for k in prof.given if k != "policy"],
+               "no profile is taken (the paper's controller over decoder layers); use profile.policy static or "
+               "hybrid to plan")
 
 
 def validate(recipe: Recipe) -> Recipe:
