@@ -129,13 +129,13 @@ def recipe_batches(tok, n: int, out: Path) -> tuple[list[dict[str, Any]], Any]:
     """``n`` batches of the nf4 recipe's training data, tokenised and collated as the recipe does."""
     import tempfile
 
-    from gnmr_hf import profile as P
+    from gnmr_hf.planning import cli as P
 
     work = Path(tempfile.mkdtemp(prefix="profile_criteria_"))  # the generated data files, not results
     args = argparse.Namespace(recipe=None, low="nf4", data=None, max_seq_len=None)
-    finetune, recipe = P._load_recipe(args, work)
+    recipe = P._load_recipe(args, work, work)
     bs = recipe.training.per_device_train_batch_size
-    return P._record_batches(finetune, recipe, tok, n, bs, work), recipe
+    return P._record_batches(recipe, tok, n, bs, work), recipe
 
 
 # ------------------------------------------------------------------------------------------------ stages
@@ -148,7 +148,7 @@ def save(out: Path, results: dict[str, Any]) -> None:
 
 
 def stage_profile(model, texts, out: Path, results: dict[str, Any]):
-    from gnmr_hf.profile import SensitivityProfile, profile_sensitivity
+    from gnmr_hf.planning import SensitivityProfile, profile_sensitivity
 
     path = out / "profile.json"
     if path.is_file():
@@ -162,7 +162,7 @@ def stage_profile(model, texts, out: Path, results: dict[str, Any]):
 
 
 def stage_references(model, texts, prof, results, out):
-    from gnmr_hf.profile import measure_plan
+    from gnmr_hf.planning import measure_plan
 
     if "references" in results:
         return
@@ -178,7 +178,7 @@ def stage_references(model, texts, prof, results, out):
 
 
 def measure_all(model, texts, indices, refs) -> dict[str, float]:
-    from gnmr_hf.profile import measure_plan
+    from gnmr_hf.planning import measure_plan
 
     out = {}
     for name, batch in texts.items():
@@ -188,7 +188,7 @@ def measure_all(model, texts, indices, refs) -> dict[str, float]:
 
 
 def stage_plans(model, texts, prof, results, out, draws: int) -> None:
-    from gnmr_hf.profile import greedy_select, random_sets
+    from gnmr_hf.planning import greedy_select, random_sets
 
     refs = results["references"]
     sizes = [u.bytes for u in prof.units]
@@ -228,7 +228,7 @@ def stage_recipe(model, tok, results, out, draws: int) -> None:
     first_order on two; plans measured on 4 held-out recipe batches; the cost against a training step."""
     import torch
 
-    from gnmr_hf.profile import (
+    from gnmr_hf.planning import (
         SensitivityProfile,
         greedy_select,
         measure_plan,
@@ -316,7 +316,7 @@ def stage_recipe(model, tok, results, out, draws: int) -> None:
 def stage_transfer(model, tok, texts, results, out) -> None:
     """Plans chosen on one kind of data, measured on the other: the text profile's plans on the held-out
     recipe batches, the recipe profile's plans on the three texts."""
-    from gnmr_hf.profile import SensitivityProfile, greedy_select, measure_plan
+    from gnmr_hf.planning import SensitivityProfile, greedy_select, measure_plan
 
     rows = results.setdefault("transfer", {})
     text_prof = SensitivityProfile.from_json(out / "profile.json")
@@ -352,7 +352,8 @@ def stage_memory(model, tok, texts, results, out) -> None:
     forward-only: the reference's memory plus its cache of decoder-layer outputs)."""
     import torch
 
-    from gnmr_hf.profile import _Meter, profile_sensitivity
+    from gnmr_hf.planning import profile_sensitivity
+    from gnmr_hf.planning.passes import _Meter
 
     if "memory" in results:
         return
@@ -389,7 +390,7 @@ def _cell(v: float | None) -> str:
 
 
 def report(out: Path) -> str:
-    from gnmr_hf.profile import SensitivityProfile
+    from gnmr_hf.planning import SensitivityProfile
 
     results = json.loads((out / "results.json").read_text())
     prof = SensitivityProfile.from_json(out / "profile.json")

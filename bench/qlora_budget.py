@@ -13,7 +13,7 @@ method                  linears on the BF16 path
 ``nf4``                 none (plain QLoRA)
 ``bf16``                all (BF16 LoRA)
 ``loftq``               none; LoRA initialised by LoftQ (PEFT's own, gnmr_hf.loftq), 0 extra bytes
-``prof-op-B``           the profiled plan: greedy by first-order gain per byte (gnmr_hf.profile), fixed
+``prof-op-B``           the profiled plan: greedy by first-order gain per byte (gnmr_hf.planning), fixed
 ``prof-layer-B``        the same profile summed per decoder layer, whole layers greedy per byte, fixed
 ``rand-op-B``           a seeded random set of linears filling B, fixed for the run
 ``rand-step-B``         a random set of linears filling B, drawn again every step
@@ -95,7 +95,7 @@ def parse_method(method: str) -> tuple[str, int]:
 
 def greedy_fill(order: list[int], unit_bytes: list[int], budget: int) -> list[int]:
     """Walk ``order`` and keep each unit that still fits in ``budget`` bytes (sorted result)."""
-    from gnmr_hf.profile import fill_in_order
+    from gnmr_hf.planning import fill_in_order
 
     return fill_in_order(order, unit_bytes, budget)
 
@@ -106,7 +106,7 @@ def layer_units(layers: list[int], ops: int = OPS_PER_LAYER) -> list[int]:
 
 def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] | None, seed: int) -> list[int]:
     """The fixed set of a static method at ``pct`` % of the bytes."""
-    from gnmr_hf.profile import greedy_select  # the product's planner: greedy by score per byte
+    from gnmr_hf.planning import greedy_select  # the product's planner: greedy by score per byte
 
     total = sum(unit_bytes)
     budget = total * pct // 100
@@ -204,7 +204,7 @@ def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, An
     collate = _collator(tokenizer)
     bs = recipe.training.per_device_train_batch_size
     data = [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
-    from gnmr_hf.profile import DEFAULT_CRITERION
+    from gnmr_hf.planning import DEFAULT_CRITERION
 
     t0 = time.perf_counter()
     prof = gnmr_hf.profile_sensitivity(model, data, criteria=(DEFAULT_CRITERION,))
@@ -568,7 +568,7 @@ BUNDLED_TASKS = "gsm8k,wikitext"
 def bundled_routes(kind: str, served_modules: list[str]) -> dict[str, tuple[str, list[str] | None]]:
     """Route -> (precision, skip_modules) of the base the adapter is scored on with the bundled eval:
     served = NF4 with the served set unquantised (stock ``llm_int8_skip_modules``), merged = BF16."""
-    from gnmr_hf.profile import skip_modules
+    from gnmr_hf.planning import skip_modules
 
     if kind == "bf16":
         return {"merged": ("bf16", None)}  # served on BF16 is the same base

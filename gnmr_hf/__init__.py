@@ -29,13 +29,13 @@ _LAZY = {
     "gemma3_checkpoint": "gnmr_hf.offline.gguf_models",
     "prepare_for_training": "gnmr_hf.training",
     "export_planned": "gnmr_hf.export",
-    "load_planned": "gnmr_hf.ladder",
-    "profile_sensitivity": "gnmr_hf.profile",
-    "plan": "gnmr_hf.profile",
-    "measure_plan": "gnmr_hf.profile",
-    "skip_modules": "gnmr_hf.profile",
-    "SensitivityProfile": "gnmr_hf.profile",
-    "PrecisionPlan": "gnmr_hf.profile",
+    "load_planned": "gnmr_hf.planning.ladder",
+    "profile_sensitivity": "gnmr_hf.planning",
+    "plan": "gnmr_hf.planning",
+    "measure_plan": "gnmr_hf.planning",
+    "skip_modules": "gnmr_hf.planning",
+    "SensitivityProfile": "gnmr_hf.planning",
+    "PrecisionPlan": "gnmr_hf.planning",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -51,10 +51,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
     from gnmr_hf.export import export_planned
-    from gnmr_hf.ladder import load_planned
     from gnmr_hf.offline.gguf_models import gemma3_checkpoint
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
-    from gnmr_hf.profile import (
+    from gnmr_hf.planning import (
         PrecisionPlan,
         SensitivityProfile,
         measure_plan,
@@ -62,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
         profile_sensitivity,
         skip_modules,
     )
+    from gnmr_hf.planning.ladder import load_planned
     from gnmr_hf.trainer.callback import GNMRCallback, attach
     from gnmr_hf.training import prepare_for_training
     from gnmr_hf.units import find_decoder_layers

@@ -14,7 +14,7 @@ _COMMANDS = {
                              "evaluate, compare, plot"),
     "eval": ("gnmr_hf.evaluation.evaluate", "score a base model (+ LoRA adapter) with lm-evaluation-harness"),
     "report": ("gnmr_hf.reporting.report", "print the paper's Table 7 layout for several eval result files"),
-    "profile": ("gnmr_hf.profile", "before training: which quantised linears to keep on BF16 for a byte budget "
+    "profile": ("gnmr_hf.planning.cli", "before training: which quantised linears to keep on BF16 for a byte budget "
                                    "(price table, llm_int8_skip_modules list, plot)"),
     "export": ("gnmr_hf.export", "write the planned mixed model as a folder stock from_pretrained loads with no "
                                  "arguments (or --merge: the adapter folded into BF16)"),

@@ -84,23 +84,13 @@ def missing_requirements() -> list[str]:
 
 
 def find_recipes(explicit: str | None = None) -> Path:
-    """The recipes folder: ``explicit``, else the one shipped in the package, else a clone's ``recipes/``.
+    """The recipes folder (:func:`gnmr_hf.recipe.recipes_folder`); a missing one is a :class:`DemoError`."""
+    from gnmr_hf.recipe import RecipeError, recipes_folder
 
-    An installed wheel holds the recipes as the ``gnmr_hf.recipes`` package data (pyproject.toml maps
-    it onto ``recipes/``); a clone used through ``PYTHONPATH`` or an editable install has them next to
-    the package. ``accelerate launch`` needs them as real files, which both are.
-    """
-    if explicit:
-        candidates = [Path(explicit)]
-    else:
-        candidates = [Path(str(importlib.resources.files("gnmr_hf").joinpath("recipes"))),
-                      Path(__file__).resolve().parents[1] / "recipes"]
-    for c in candidates:
-        if (c / "finetune.py").is_file() and (c / "smollm2-135m").is_dir():
-            return c
-    where = explicit or " or ".join(str(c) for c in candidates)
-    raise DemoError(f"the recipes folder (finetune.py, smollm2-135m/) was not found in {where}: "
-                    "reinstall gnmr_hf, or pass --recipes PATH")
+    try:
+        return recipes_folder(explicit)
+    except RecipeError as e:
+        raise DemoError(str(e)) from None
 
 
 def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,

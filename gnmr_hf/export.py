@@ -62,7 +62,7 @@ def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, An
         path = path / "profile.json"
     if not path.is_file():
         raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
-    from gnmr_hf.profile import SensitivityProfile
+    from gnmr_hf.planning import SensitivityProfile
 
     try:
         SensitivityProfile.from_json(path)  # validates the fields (one-line errors naming them)

@@ -11,8 +11,9 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from gnmr_hf import ladder, memory  # noqa: E402
-from gnmr_hf.ladder import LadderUnit  # noqa: E402
+from gnmr_hf import memory  # noqa: E402
+from gnmr_hf.planning import ladder  # noqa: E402
+from gnmr_hf.planning.ladder import LadderUnit  # noqa: E402
 
 
 def _stock(path, low="nf4", skip=None, dtype=torch.float32):

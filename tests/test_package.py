@@ -212,14 +212,15 @@ LAYERS = {
     "hardware": set(),
     "memory": set(),  # byte accounting from shapes: imports nothing of the package
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
-    "export": {"export", "profile", "memory", "offline"},  # reads profile.json, prices, resolves aliases
-    # rung prices from shapes; gains and loading from stock bnb modules, in bnb's reference layout
-    "ladder": {"memory", "backends"},
+    "export": {"export", "planning", "memory", "offline"},  # reads profile.json, prices, resolves aliases
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
-    # the profile's CLI finds the shipped recipes through the demo's finder, and parses as the other commands;
-    # it prints the ladder's table beside the BF16-only one and prices budgets in memory over the low model
-    "profile": {"profile", "units", "backends", "core", "offline", "demo", "reporting", "_import_utils", "ladder",
-                "memory"},
+    # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
+    # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory
+    "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe"},
+    # the recipe format and its data (recipes/finetune.py and gnmr-hf profile read it): criteria names and budget
+    # currencies from the planner's criteria/budget modules, which import nothing of it back
+    "recipe": {"recipe", "core", "planning", "memory", "offline", "hardware"},
+    "profile": {"planning", "reporting"},  # the former module: re-exports gnmr_hf.planning
 }
 
 

@@ -1,4 +1,4 @@
-"""The sensitivity profile and the BF16 plan (gnmr_hf.profile), on a tiny random LLaMA in NF4 (FP32 compute).
+"""The sensitivity profile and the BF16 plan (gnmr_hf.planning), on a tiny random LLaMA in NF4 (FP32 compute).
 
 Every criterion is checked against values worked out independently: the loss gains against hand-run
 forwards, the output error against the linear's weights applied to its captured inputs, the first-order
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gnmr_hf
-from gnmr_hf.profile import (
+from gnmr_hf.planning import (
     PrecisionPlan,
     SensitivityProfile,
     UnitScore,

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 import gnmr_hf
-from gnmr_hf.profile import (
+from gnmr_hf.planning import (
     PrecisionPlan,
     SensitivityProfile,
     UnitScore,
     format_price_table,
-    main,
     parse_budget,
     plan,
     profile_sensitivity,
 )
+from gnmr_hf.planning.cli import main
 from tests.conftest import make_tiny_llama
 from tests.test_dual_path import load
 
@@ -355,7 +355,7 @@ def test_cli_budget_in_memory_over_nf4(tiny_with_tokenizer, tmp_path, capsys):
     saved = json.loads((out / "profile.json").read_text())
     line = next(x for x in stdout.splitlines() if x.startswith("[profile] budget +25%nf4:"))
     assert "over the 0.1 MiB nf4 model" in line
-    from gnmr_hf.profile import over_low_prices
+    from gnmr_hf.planning import over_low_prices
 
     prices = over_low_prices(tiny_with_tokenizer, [m for u in saved["units"] for m in u["modules"]], "nf4")
     # the plan's bytes over NF4 stay within 25 % of the all-NF4 model

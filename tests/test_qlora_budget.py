@@ -173,7 +173,7 @@ def test_plan_ends_with_the_oracle_run_in_its_own_folder(tmp_path):
 
 
 def test_bundled_routes():
-    from gnmr_hf.profile import skip_modules
+    from gnmr_hf.planning import skip_modules
 
     assert qb.bundled_routes("bf16", []) == {"merged": ("bf16", None)}
     assert qb.bundled_routes("nf4", []) == {"served": ("nf4", None), "merged": ("bf16", None)}

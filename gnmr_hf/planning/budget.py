@@ -1,0 +1,140 @@
+"""Budget currencies: extra BF16 bytes (``10%``, ``0.1``, ``300MB``) and memory over the all-low model
+(``+10%nf4``), and the price table in both."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gnmr_hf.planning.results import _fmt
+
+if TYPE_CHECKING:
+    from gnmr_hf.planning.planner import PrecisionPlan
+
+
+
+_UNITS = {"b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``"10%"`` -> (None, 0.1); ``"0.1"`` -> (None, 0.1); ``"300MB"``, ``"2GiB"``, ``"123456B"`` -> (bytes, None).
+
+    Units: ``%`` (of the quantised weights' BF16 bytes, in (0, 100]), ``B``, ``KB``/``KiB``, ``MB``/``MiB``,
+    ``GB``/``GiB`` (1000 and 1024 powers; case and spaces ignored). A bare number is a fraction, and only in
+    (0, 1]; above 1 it is ambiguous (a percentage? bytes?) and is refused: give a unit. Whether a budget buys
+    at least the smallest unit and stays within the total is checked by :func:`plan` (it needs the profile).
+
+    Raises:
+        ValueError: anything else, in one line starting with ``budget 'TEXT'`` (what is accepted).
+    """
+    s = str(text).strip().lower().replace(" ", "")
+    accepted = "a percentage (10%), a fraction in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B)"
+    bad = ValueError(f"budget {text!r} is not {accepted}")
+    mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)(%|[a-z]*)", s)
+    if not mt:
+        raise bad
+    value, unit = float(mt.group(1)), mt.group(2)
+    if not math.isfinite(value):
+        raise bad
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"budget {text!r}: a percentage must be in (0, 100] (0 % keeps nothing on BF16)")
+        return None, value / 100
+    if unit == "":
+        if 0 < value <= 1:
+            return None, value
+        if value == 0:
+            raise ValueError(f"budget {text!r} keeps nothing on BF16: give {accepted}")
+        raise ValueError(f"budget {text!r}: a bare number above 1 is ambiguous (percent? bytes?): give a unit "
+                         f"({mt.group(1)}% or {mt.group(1)}B, MB, MiB, ...), or a fraction in (0, 1]")
+    if unit not in _UNITS:
+        raise bad
+    size = value * _UNITS[unit]
+    if size < 1:
+        raise ValueError(f"budget {text!r} is less than one byte")
+    if unit == "b" and size != int(size):
+        raise ValueError(f"budget {text!r}: a byte count must be a whole number")
+    return int(size), None
+
+
+def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[str], low: str,
+                  double_quant: bool = False) -> dict[str, Any] | None:
+    """A budget written as memory over the all-low model (``"+10%nf4"``, :func:`gnmr_hf.memory.parse_memory_budget`)
+    turned into the planner's currency, BF16 bytes of kept linears; ``None`` for a budget in another form.
+
+    The all-low model is ``model_path``'s checkpoint as a stock load stores it (``modules``, the quantised
+    linears, in ``low`` with their quant states; everything else in BF16), priced from its config on the
+    meta device (:func:`gnmr_hf.memory.predict_model_bytes`). Each kept linear costs
+    :func:`~gnmr_hf.memory.extra_bytes_over_low` over ``low``; the BF16 budget is the memory budget times
+    the linears' BF16 bytes per byte of that price (for NF4 and FP4 each linear costs 1.4375 bytes a weight
+    less its 64-byte code table, so the ratio is 2 / 1.4375 to within the code tables' share).
+
+    Returns ``{"fraction", "low", "low_model_bytes", "over_low_bytes", "bf16_per_over_byte", "bf16_budget"}``.
+
+    Raises:
+        ValueError: the budget names another low path than ``low`` (one line).
+    """
+    from gnmr_hf.memory import parse_memory_budget
+
+    parsed = parse_memory_budget(str(text))
+    if parsed is None:
+        return None
+    fraction, cur = parsed
+    if cur != low:
+        raise ValueError(f"budget {text!r} is memory over the {cur} model, but this model's low path is {low}")
+    out = over_low_prices(model_path, modules, low, double_quant)
+    over = int(fraction * out["low_model_bytes"])
+    return {"fraction": fraction, **out, "over_low_bytes": over, "bf16_budget": int(over * out["bf16_per_over_byte"])}
+
+
+def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: str,
+                    double_quant: bool = False) -> dict[str, Any]:
+    """``{"low", "low_model_bytes", "bf16_per_over_byte"}``: the all-low model's bytes as a stock load
+    stores it, and the kept linears' BF16 bytes per byte they cost over ``low`` (see :func:`memory_budget`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gnmr_hf.memory import extra_bytes_over_low, predict_model_bytes
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    mods = dict(meta.named_modules())
+    missing = [m for m in modules if m not in mods]
+    if missing:
+        raise ValueError(f"{len(missing)} quantised linear(s) not in {model_path}'s config, e.g. {missing[0]}")
+    low_total = predict_model_bytes(meta, list(modules), low, double_quant=double_quant)["total"]
+    bf16 = sum(mods[m].weight.numel() * 2 for m in modules)
+    price = sum(extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low,
+                                     double_quant=double_quant) for m in modules)
+    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": bf16 / price}
+
+
+def _pct(fraction: float) -> str:
+    v = 100 * fraction
+    return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
+
+
+def format_price_table(plans: Sequence[PrecisionPlan], over_low: dict[str, Any] | None = None) -> str:
+    """The price table: per budget, predicted and measured gap closed, bytes and modules; with
+    ``over_low`` (:func:`memory_budget`'s record) also each plan's memory over the all-low model."""
+    wheres = sorted({w for p in plans for w in p.measured}, key=lambda w: (w != "profile", w))
+    head = ["budget", "criterion", "predicted gap closed"] + [f"measured gap closed ({w})" for w in wheres] + [
+        "extra MiB (BF16)", "% of quantised"] + (
+        [f"memory over {over_low['low'].upper()}"] if over_low else []) + ["modules"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in plans:
+        row = [f"{_pct(p.budget_fraction)} %", p.criterion, _fmt(p.predicted_gap_closed, ".3f")]
+        row += [_fmt(p.measured.get(w, {}).get("gap_closed"), ".3f") for w in wheres]
+        row += [f"{p.bytes / 2**20:.1f}", f"{100 * p.fraction:.1f}"]
+        if over_low:
+            row.append(f"+{100 * p.bytes / over_low['bf16_per_over_byte'] / over_low['low_model_bytes']:.1f} %")
+        row.append(str(len(p.indices)))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,401 @@
+"""``gnmr-hf profile``: load the model and the data, profile, plan at the price points, print and write."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gnmr_hf.planning.budget import format_price_table, memory_budget, over_low_prices, parse_budget
+from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, _criteria
+from gnmr_hf.planning.passes import _units
+from gnmr_hf.planning.planner import budget_error, measure_plan, plan
+from gnmr_hf.planning.profiler import profile_sensitivity
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+class ProfileError(Exception):
+    """Bad input to ``gnmr-hf profile``: printed as one line, exit code 2."""
+
+
+PRICE_POINTS = (0.05, 0.10, 0.25)
+_LOW = ("nf4", "fp4", "int8")
+_TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
+
+
+PROFILE_EPILOG = """examples:
+  gnmr-hf profile --output prof                              SmolLM2, NF4, the recipes' data, 10 % budget
+  gnmr-hf profile --model PATH --low nf4 --budget 300MB --data train.jsonl --output prof
+  gnmr-hf profile --output prof --criterion first_order,loss --heldout-batches 2   compare criteria
+  gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter ADAPTER
+                                                             score an adapter on the planned mixed base
+
+In Python: BitsAndBytesConfig(load_in_4bit=True, ..., llm_int8_skip_modules=json.load(open("prof/profile.json"))
+["skip_modules"]) loads that base with stock transformers. Errors are one line on stderr and exit code 2.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gnmr_hf.reporting.report import OneLineErrorParser
+
+    p = OneLineErrorParser(
+        prog="gnmr-hf profile",
+        description="Profile which quantised linears are worth keeping on BF16 (a few batches of the training "
+                    "data, before training) and plan a byte budget: prints the price table, writes "
+                    "DIR/profile.json (skip_modules, units) and DIR/profile.png, nothing else (the default "
+                    "generated training set is written to a temporary folder and removed).",
+        epilog=PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
+    p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
+    p.add_argument("--budget", default="10%",
+                   help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), or extra "
+                        "BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
+                        "in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B; a bare number above 1 is "
+                        "refused as ambiguous); it must buy at least the smallest linear and stay within the total "
+                        "(checked once the model is loaded, before profiling); default 10%%")
+    p.add_argument("--output", "-o", required=True,
+                   help="output folder (profile.json, profile.png; created if missing; an existing file is refused)")
+    p.add_argument("--data", default=None,
+                   help="training data: a .json/.jsonl file or folder in the recipe's schema (tokenised as "
+                        "recipes/finetune.py does), or a text file (.txt/.rst/.md: chunks of --max-seq-len tokens); "
+                        "default: the SmolLM2 recipes' generated GSM8K-style training set")
+    p.add_argument("--criterion", default=DEFAULT_CRITERION,
+                   help=f"criteria, comma-separated ({', '.join(CRITERIA)}, or all); the first plans "
+                        f"(default {DEFAULT_CRITERION})")
+    p.add_argument("--batches", type=int, default=1,
+                   help="batches to profile on (default 1: first_order on one batch costs about 1.6 training steps "
+                        "and chose as well as two on SmolLM2, docs/profile.md)")
+    p.add_argument("--batch-size", type=int, default=None, help="examples per batch (default: the recipe's, 4)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per example (default: the recipe's; 512 for a text file)")
+    p.add_argument("--heldout-batches", type=int, default=0,
+                   help="also measure the plans on the next N batches of the data (default 0); refused when the "
+                        "data has nothing left after the profile batches, a warning when it has less than asked")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--storage", default="host", choices=("host", "device", "disk"),
+                   help="where the BF16 recovery weights live during profiling (default host)")
+    p.add_argument("--recipe", default=None, help="the recipe YAML whose data and LoRA settings to use "
+                   "(default: recipes/smollm2-135m/<low>.yaml)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
+    p.add_argument("--no-ladder", action="store_true",
+                   help="4-bit low paths: skip the precision ladder's table (INT8 and BF16 rungs under budgets of "
+                        "memory over the 4-bit model; gnmr_hf.planning.ladder, one model load per row)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return _run(args)
+    except ProfileError as e:
+        print(f"gnmr-hf profile: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"gnmr-hf profile: error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return 2
+
+
+def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
+    """The recipe's configuration (its data, templates, batch size and LoRA), read by :mod:`gnmr_hf.recipe` as
+    ``recipes/finetune.py`` reads it. The default generated training set is written under ``scratch`` (a
+    temporary folder), not the output folder."""
+    from gnmr_hf.recipe import RecipeError, load_config, recipes_folder
+
+    try:
+        recipe_file = Path(args.recipe) if args.recipe else (
+            recipes_folder() / "smollm2-135m" / ("int8.yaml" if args.low == "int8" else "nf4.yaml"))
+    except RecipeError as e:
+        raise ProfileError(str(e)) from None
+    if not recipe_file.is_file():
+        raise ProfileError(f"recipe {recipe_file} not found")
+    argv = ["--config", str(recipe_file), "--output_dir", str(out), "--data_dir", str(scratch / "data")]
+    if args.data and Path(args.data).suffix.lower() not in _TEXT_SUFFIXES:
+        argv += ["--dataset", args.data]
+    if args.max_seq_len:
+        argv += ["--max_seq_len", str(args.max_seq_len)]
+    try:
+        return load_config(argv)
+    except RecipeError as e:
+        raise ProfileError(str(e)) from None
+
+
+def _text_batches(path: Path, tokenizer, n_batches: int, batch_size: int, seq_len: int) -> list[dict[str, Any]]:
+    ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+    chunks = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
+    chunks = [c for c in chunks if len(c) > 1][: n_batches * batch_size]
+    if not chunks:
+        raise ProfileError(f"{path} holds fewer than 2 tokens")
+    batches = []
+    for i in range(0, len(chunks), batch_size):
+        group = chunks[i:i + batch_size]
+        width = max(len(c) for c in group)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([c + [pad] * (width - len(c)) for c in group])
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in group])
+        labels = input_ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": input_ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+def _record_batches(recipe, tokenizer, n_batches: int, batch_size: int, out: Path) -> list[dict[str, Any]]:
+    """The first ``n_batches`` batches of the recipe's training rows (:func:`gnmr_hf.recipe.training_rows`),
+    collated as the recipe's Trainer collates them."""
+    from transformers import DataCollatorForSeq2Seq
+
+    from gnmr_hf.recipe import RecipeError, training_rows
+
+    try:
+        rows, _ = training_rows(recipe.script, tokenizer, out, limit=n_batches * batch_size)
+    except RecipeError as e:
+        raise ProfileError(str(e)) from None
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    return [dict(collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))]))
+            for i in range(0, len(rows), batch_size)]
+
+
+# what a tokenizer folder holds (tokenizer.save_pretrained writes one of these, with tokenizer_config.json)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def _load_tokenizer(model_path: Path, shown: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:  # transformers raises ValueError, OSError, TypeError ... depending on what is missing
+        present = [f for f in _TOKENIZER_FILES if (Path(model_path) / f).is_file()]
+        if not present:
+            raise ProfileError(
+                f"--model {shown}: the folder has no tokenizer files (it needs tokenizer.json, or tokenizer.model "
+                "or vocab.json + merges.txt, with tokenizer_config.json: what tokenizer.save_pretrained(folder) "
+                "writes)") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ProfileError(f"--model {shown}: its tokenizer ({', '.join(present)}) did not load: "
+                           f"{type(e).__name__}: {first}") from None
+
+
+def _check_output(out: Path, shown: str) -> None:
+    """``--output`` must be a folder or creatable as one (refused before anything is loaded or written)."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ProfileError(f"--output {shown}: " + ("an existing file, not a folder" if p == out else
+                                                            f"{p} is a file, not a folder"))
+            if not os.access(p, os.W_OK):
+                raise ProfileError(f"--output {shown}: {p} is not writable")
+            return
+
+
+def _examples(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    """Examples and target tokens in prepared-or-collated batches."""
+    rows = sum(int(b["input_ids"].shape[0]) for b in batches)
+    tokens = sum(int((b["labels"][..., 1:] != -100).sum()) for b in batches)
+    return rows, tokens
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gnmr_hf.memory import parse_memory_budget
+
+    memory = parse_memory_budget(args.budget)  # "+10%nf4": converted once the model's linears are known
+    if memory is not None and memory[1] != args.low:
+        raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
+    budget_bytes, budget_fraction = (None, None) if memory is not None else parse_budget(args.budget)
+    criteria = _criteria(args.criterion)
+    for flag in ("batches", "batch_size", "max_seq_len", "threads"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if args.heldout_batches < 0:
+        raise ProfileError(f"--heldout-batches must be >= 0, got {args.heldout_batches}")
+    if args.data and not Path(args.data).exists():
+        raise ProfileError(f"--data {args.data}: no such file or folder")
+    out = Path(args.output).resolve()
+    _check_output(out, args.output)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from gnmr_hf._import_utils import require
+
+    for pkg in ("transformers", "bitsandbytes", "peft", "datasets"):
+        require(pkg, "gnmr-hf profile")
+    started = time.time()
+
+    # the model folder
+    if args.model == "smollm2-135m-instruct":
+        from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+
+        model_path = smollm2_checkpoint()
+    else:
+        model_path = Path(args.model)
+        if not (model_path / "config.json").is_file():
+            raise ProfileError(f"--model {args.model}: not a model folder (no config.json)")
+        if not list(model_path.glob("*.safetensors")):
+            raise ProfileError(f"--model {args.model}: no *.safetensors files (the BF16 weights the recovery path "
+                               "reads)")
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tokenizer = _load_tokenizer(model_path, args.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    import tempfile
+
+    # the generated training set (no --data) goes to a temporary folder: DIR holds profile.json and profile.png only
+    with tempfile.TemporaryDirectory(prefix="gnmr-hf-profile-") as scratch:
+        recipe = _load_recipe(args, out, Path(scratch))
+        batch_size = args.batch_size or recipe.training.per_device_train_batch_size
+        n_total = args.batches + args.heldout_batches
+        text = bool(args.data) and Path(args.data).suffix.lower() in _TEXT_SUFFIXES
+        if text:
+            seq_len = args.max_seq_len or 512
+            all_batches = _text_batches(Path(args.data), tokenizer, n_total, batch_size, seq_len)
+        else:
+            all_batches = _record_batches(recipe, tokenizer, n_total, batch_size, out)
+    batches, heldout = all_batches[:args.batches], all_batches[args.batches:]
+    if not batches:
+        raise ProfileError("the data gave no batch")
+    what = f"piece(s) of up to {seq_len} tokens" if text else "example(s)"
+    rows, tokens = _examples(batches)
+    used = (f"[profile] data: {args.data or 'the recipes generated training set'}: profiling {len(batches)} batch(es) "
+            f"({rows} {what}, {tokens} target tokens; batch size {batch_size})")
+    if args.heldout_batches:
+        if not heldout:
+            raise ProfileError(
+                f"--heldout-batches {args.heldout_batches}: the data has nothing left for held-out batches (all "
+                f"{rows} {what} went to the {len(batches)} profile batch(es)): give more data, fewer --batches, or "
+                "--heldout-batches 0")
+        h_rows, h_tokens = _examples(heldout)
+        used += f", held-out {len(heldout)} batch(es) ({h_rows} {what}, {h_tokens} target tokens)"
+    print(used, flush=True)
+    if rows < args.batches * batch_size:
+        print(f"gnmr-hf profile: warning: --batches {args.batches} x batch size {batch_size} asked for "
+              f"{args.batches * batch_size} {what}; the data gave {rows}", file=sys.stderr, flush=True)
+    if args.heldout_batches and h_rows < args.heldout_batches * batch_size:
+        print(f"gnmr-hf profile: warning: --heldout-batches {args.heldout_batches} x batch size {batch_size} asked "
+              f"for {args.heldout_batches * batch_size} {what}; the data left {h_rows} in {len(heldout)} batch(es)",
+              file=sys.stderr, flush=True)
+
+    import gnmr_hf
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
+    if args.low == "int8":
+        qconfig = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        qconfig = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=args.low, bnb_4bit_compute_dtype=dtype)
+    device_map = {"": 0} if torch.cuda.is_available() else None
+    print(f"[profile] loading {model_path} in {args.low} ({dtype}) ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=qconfig,
+                                                 device_map=device_map)
+    if args.low != "int8":
+        from gnmr_hf.backends.bnb_4bit import keep_reference_layout
+
+        keep_reference_layout(model)
+    model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=args.storage, units="linears",
+                                      dtype=dtype)
+    # the budget against the model's linears, before the profile costs anything
+    info = _units(model, None)
+    sizes, unit_names = [u.bytes for u in info], [u.name for u in info]
+    linears = [m for u in info for m in u.modules]
+    over_low = over_low_prices(model_path, linears, args.low)  # the price table's second currency
+    if memory is not None:
+        over_low = memory_budget(args.budget, model_path, linears, args.low)
+        budget_bytes = over_low["bf16_budget"]
+        print(f"[profile] budget {args.budget}: {over_low['over_low_bytes'] / 2**20:.2f} MiB over the "
+              f"{over_low['low_model_bytes'] / 2**20:.1f} MiB {args.low} model = {budget_bytes / 2**20:.2f} MiB of "
+              f"BF16 weights ({100 * budget_bytes / sum(sizes):.1f} % of the quantised linears')", flush=True)
+    want = budget_bytes if budget_bytes is not None else int(budget_fraction * sum(sizes))
+    why = budget_error(sizes, want, unit_names)
+    if why:
+        raise ProfileError(f"--budget {args.budget}: {why}")
+    if "lora_grad" in criteria:
+        import peft
+
+        lora = recipe.lora
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha,
+                                                           lora_dropout=lora.lora_dropout,
+                                                           target_modules=lora.lora_target_modules,
+                                                           task_type="CAUSAL_LM"))
+
+    prof = profile_sensitivity(model, batches, criteria=criteria, progress=not args.quiet)
+    name = prof._score_name(criteria[0]) if criteria[0] not in prof.skipped else None
+    if name is None:
+        raise ProfileError(f"criterion {criteria[0]} was skipped: {prof.skipped[criteria[0]]}")
+
+    kw: dict[str, Any] = {"model": model, "batches": batches}
+    if heldout:
+        ref = measure_plan(model, [], heldout)
+        kw.update(heldout=heldout, heldout_reference=(ref["loss_low"], ref["loss_high"]))
+    main_plan = plan(prof, budget_bytes, budget_fraction=budget_fraction, criterion=name, **kw)
+    # price points that buy no unit on this model (a tiny one) are left out
+    price = [plan(prof, budget_fraction=f, criterion=name, **kw) for f in PRICE_POINTS
+             if (budget_fraction is None or abs(f - budget_fraction) > 1e-9)
+             and budget_error(sizes, int(f * prof.total_bytes)) is None]
+    price = sorted(price + [main_plan], key=lambda p: p.budget_bytes)
+
+    print()
+    print(prof.table(name, top=15))
+    print()
+    print(prof.cost_table())
+    print()
+    print(f"price table (gap closed = (L_low - L_plan) / (L_low - L_high); L_low {prof.losses['low']:.4f}, "
+          f"L_high {prof.losses['high']:.4f} on the profile batches):")
+    print(format_price_table(price, over_low))
+    ladder_rows = None
+    if args.low != "int8" and not args.no_ladder:
+        from gnmr_hf.planning.ladder import format_ladder_table, ladder_table
+
+        print(f"\n[profile] the precision ladder: each linear on {args.low}, INT8 or BF16, planned under memory over "
+              f"the {args.low} model (one load per row) ...", flush=True)
+        ladder_rows = ladder_table(model_path, batches, args.low, dtype=dtype, progress=not args.quiet)
+        print(f"ladder price table (gap closed on the profile batches; L_low {ladder_rows['loss_low']:.4f}, "
+              f"L_high {ladder_rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact "
+              "bytes with BF16 rungs in BF16):")
+        print(format_ladder_table(ladder_rows))
+    print()
+    print(main_plan.summary())
+    skips = main_plan.skip_modules()
+    units_json = [{"index": u.index, "name": u.name, "bytes": u.bytes, "score": u.scores[name],
+                   "modules": u.modules, "layer": u.layer, "op": u.op, "scores": u.scores} for u in prof.units]
+    out.mkdir(parents=True, exist_ok=True)
+    path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
+                        plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
+                        **({} if ladder_rows is None else {"ladder": ladder_rows}),
+                        command="gnmr-hf profile " + shlex.join(args.argv))
+    written = [str(path)]
+    if not args.no_plot:
+        try:
+            from gnmr_hf.reporting.profile_plot import plot_profile
+
+            written.append(str(plot_profile(prof, price, out / "profile.png", name,
+                                            title=f"{Path(str(model_path)).name}, {args.low}: profiled on {prof.tokens} target tokens")))
+        except ImportError:
+            print("[profile] matplotlib is not installed: no profile.png (pip install matplotlib)", file=sys.stderr)
+    print()
+    print("load with these linears unquantised:\n"
+          f"  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type={args.low!r}, llm_int8_skip_modules=json.load("
+          f"open({str(path)!r}))['skip_modules'])" if args.low != "int8" else
+          f"  BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=json.load(open({str(path)!r}))['skip_modules'])")
+    print(f"[profile] wrote {', '.join(written)} in {time.time() - started:.0f} s")
+    return 0
+
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,300 @@
+"""The model passes every criterion and the planner share: the units, batch preparation, switching a
+unit's path, the loss, the cost meter and the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnmr_hf.units import UnitSpec, find_decoder_layers, resolve_units, short_name, unwrap_model
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: nn.Module
+    dual: list[nn.Module]  # dual-path modules inside the unit
+    modules: list[str]
+    bytes: int
+    layer: int | None
+    op: str
+
+
+def _units(model: nn.Module, units: UnitSpec) -> list[_Unit]:
+    from gnmr_hf.backends.base import dual_path_modules
+    from gnmr_hf.backends.checkpoint import canonical_name
+
+    resolved = resolve_units(model, units)
+    base = unwrap_model(model)
+    names = {id(m): canonical_name(n) for n, m in base.named_modules()}
+    try:
+        layer_of = {id(m): i for i, (_, layer) in enumerate(find_decoder_layers(model)) for m in layer.modules()}
+    except ValueError:
+        layer_of = {}
+    out = []
+    for name, unit in resolved:
+        dual = list(dual_path_modules(unit))
+        layers = [layer_of[id(m)] for m in dual if id(m) in layer_of]
+        short = short_name(name)
+        parts = short.split(".")
+        op = parts[-1] if len(parts) > 2 else "layer"
+        out.append(_Unit(name=short, module=unit, dual=dual, modules=[names.get(id(m), name) for m in dual],
+                         bytes=sum(_bf16_bytes(m) for m in dual), layer=min(layers) if layers else None, op=op))
+    if not any(u.dual for u in out):
+        raise ValueError(
+            f"the model holds no dual-path layer ({type(unwrap_model(model)).__name__}): load it quantised "
+            "(BitsAndBytesConfig(load_in_4bit=True) or load_in_8bit=True) and call "
+            "gnmr_hf.prepare_dual_path(model, recovery_source=checkpoint, units='linears') first"
+        )
+    return out
+
+
+def _bf16_bytes(m: nn.Module) -> int:
+    out_f, in_f = getattr(m, "out_features", None), getattr(m, "in_features", None)
+    if out_f is None or in_f is None:
+        w = m._gnmr_source.stored if hasattr(m, "_gnmr_source") and m._gnmr_source.stored is not None else m.weight
+        out_f, in_f = w.shape[0], w.shape[-1]
+    return int(out_f) * int(in_f) * 2
+
+
+def _keep_modules(model: nn.Module) -> list[str]:
+    """What stock transformers keeps unquantised when ``llm_int8_skip_modules`` is not given."""
+    base = unwrap_model(model)
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keys = sorted(get_keys_to_not_convert(base))
+    except Exception:  # another transformers version, or not a PreTrainedModel
+        keys = []
+    out_emb = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if out_emb is not None:
+        name = next((n for n, m in base.named_modules() if m is out_emb), None)
+        if name and name not in keys:
+            keys.append(name)
+    return keys
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _prepare_batches(model: nn.Module, batches: Iterable[Mapping[str, Any]] | Mapping[str, Any]
+                     ) -> tuple[list[dict[str, Any]], list[int]]:
+    """Batches on the model's device with labels (padding -100), and each batch's target-token count.
+
+    A batch is any mapping with ``input_ids`` (a dict, a ``BatchEncoding`` from a tokenizer or a transformers
+    collator); ``batches`` is any iterable of them (a list, a ``torch.utils.data.DataLoader``: iterated once
+    here), or one mapping (one batch)."""
+    device = _device(model)
+    if isinstance(batches, Mapping):
+        batches = [batches]
+    elif isinstance(batches, (str, bytes, torch.Tensor)) or not isinstance(batches, Iterable):
+        raise ValueError(f"batches must be a list (or DataLoader) of batches, each a mapping with input_ids; got "
+                         f"{type(batches).__name__}")
+    out, counts = [], []
+    for i, b in enumerate(batches):
+        if not isinstance(b, Mapping) or "input_ids" not in b:
+            got = type(b).__name__ if not isinstance(b, Mapping) else f"keys {sorted(map(str, b))}"
+            raise ValueError(f"batch {i} must be a mapping (dict, BatchEncoding) with input_ids (and attention_mask, "
+                             f"labels); got {got}")
+        b = {k: (torch.as_tensor(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(b).items()}
+        b = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+        if b["input_ids"].dim() == 1:
+            b = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) and v.dim() == 1 else v) for k, v in b.items()}
+        if "labels" not in b:
+            labels = b["input_ids"].clone()
+            if "attention_mask" in b:
+                labels[b["attention_mask"] == 0] = -100
+            b["labels"] = labels
+        n = int((b["labels"][..., 1:] != -100).sum())
+        if n == 0:
+            raise ValueError(f"batch {i} has no target token (every label is -100)")
+        b.setdefault("use_cache", False)
+        out.append(b)
+        counts.append(n)
+    if not out:
+        raise ValueError("batches is empty: give at least one batch of training data")
+    return out, counts
+
+
+def _batch_digest(batch: dict[str, Any]) -> str:
+    """A short fingerprint of a prepared batch's ``input_ids``, ``labels`` and ``attention_mask``: which data it is."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in ("input_ids", "labels", "attention_mask"):
+        v = batch.get(key)
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu", torch.int64).contiguous()
+            h.update(f"{key}{tuple(t.shape)}".encode())
+            h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _set_path(units: list[_Unit], high: Iterable[int]) -> None:
+    high = set(high)
+    for i, u in enumerate(units):
+        for m in u.dual:
+            if m.recovery != (i in high):
+                m.set_recovery(i in high)
+
+
+class _Meter:
+    """Wall seconds, process CPU seconds (all threads; on a busy machine the steadier figure) and peak
+    memory increase of a block (CUDA allocator on a GPU, else sampled process RSS)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.peak = None
+        self.kind = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                     else "process RSS growth, sampled every 5 ms after returning freed heap to the OS")
+
+    def __enter__(self) -> _Meter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _trim_heap()  # memory freed by earlier passes goes back to the OS, so RSS growth is this block's
+            self._start = _rss()
+            self._max = self._start
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            r = _rss()
+            if r is not None and (self._max is None or r > self._max):
+                self._max = r
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
+        if self.device.type == "cuda":
+            self.peak = int(torch.cuda.max_memory_allocated(self.device) - self._start)
+        else:
+            self._stop.set()
+            self._thread.join()
+            r = _rss()
+            if r is not None and self._max is not None:
+                self._max = max(self._max, r)
+            self.peak = None if self._start is None else int(self._max - self._start)
+
+
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim(0)``: return freed heap pages to the OS (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cost(meter: _Meter, forwards: int, backwards: int, note: str = "") -> dict[str, Any]:
+    out = {"seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds, "forwards": forwards, "backwards": backwards, "peak_mem_bytes": meter.peak,
+           "mem_kind": meter.kind}
+    if note:
+        out["note"] = note
+    return out
+
+
+def _progress(it: Iterable, total: int, desc: str, on: bool) -> Iterable:
+    if not on:
+        return it
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return it
+    return tqdm(it, total=total, desc=desc, leave=False)
+
+
+@contextlib.contextmanager
+def _input_grad(model: nn.Module) -> Iterator[None]:
+    """Freeze every parameter and make the input embeddings' output require grad, so a backward reaches
+    every layer's output without forming any weight gradient."""
+    base = unwrap_model(model)
+    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    if emb is None:
+        raise ValueError("first_order needs the model's input embeddings (get_input_embeddings())")
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    handle = emb.register_forward_hook(lambda mod, inp, out: out.requires_grad_(True))
+    try:
+        yield
+    finally:
+        handle.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _high_output(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's recovery-path output on ``x`` (its forward called directly: no hooks run)."""
+    was = m.recovery
+    if not was:
+        m.set_recovery(True)
+    try:
+        return m.forward(x)
+    finally:
+        if not was:
+            m.set_recovery(False)
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, tuple):
+        return type(x)(*(_clone(v) for v in x)) if hasattr(x, "_fields") else tuple(_clone(v) for v in x)
+    return x
+
+
+@contextlib.contextmanager
+def _skip_layers(layers: list[nn.Module], below: int, cache: dict[int, Any]) -> Iterator[None]:
+    """Layers ``0 .. below-1`` return their cached output instead of computing."""
+    saved = []
+    for i in range(below):
+        layer = layers[i]
+        saved.append((layer, layer.__dict__.get("forward")))
+        layer.forward = (lambda out: (lambda *a, **k: _clone(out)))(cache[i])
+    try:
+        yield
+    finally:
+        for layer, fwd in saved:
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+

@@ -1,0 +1,324 @@
+"""The planner: a budget in bytes, the greedy fill by score per byte, the plan and its measurement."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from gnmr_hf.planning.criteria import GAIN_SCORES
+from gnmr_hf.planning.passes import _batch_digest, _loss, _prepare_batches, _set_path, _Unit, _units
+from gnmr_hf.planning.results import SensitivityProfile, _fmt, _is_int, _json_safe
+from gnmr_hf.planning.skiplist import skip_modules
+from gnmr_hf.units import UnitSpec
+
+# ------------------------------------------------------------------------------------------ planning
+
+
+@dataclass
+class PrecisionPlan:
+    """The units to keep on BF16 under a byte budget, chosen greedily by score per byte.
+
+    Attributes:
+        criterion: the score the plan was chosen by.
+        budget_bytes: the extra BF16 bytes allowed; ``total_bytes`` the quantised weights' BF16 bytes.
+        indices, names, modules: the chosen units (unit indices for ``set_active_units`` / a static policy,
+            readable names, and the qualified names of their linears).
+        bytes: the chosen units' BF16 bytes.
+        predicted_gain: the sum of the chosen units' single gains (``loss`` or ``first_order`` scores; the
+            criterion's own when it is a gain, else the profile's ``loss``, else ``first_order``); None
+            without a gain score. ``predicted_gap_closed`` = predicted_gain / (L_low - L_high).
+        measured: per data set (``profile``, ``heldout``): ``loss_low``, ``loss_high``, ``loss_plan`` and
+            ``gap_closed`` = (L_low - L_plan) / (L_low - L_high), measured with the set on BF16.
+        keep_modules: the profile's default-kept modules (see :func:`skip_modules`).
+    """
+
+    criterion: str
+    budget_bytes: int
+    total_bytes: int
+    indices: list[int]
+    names: list[str]
+    modules: list[str]
+    bytes: int
+    predicted_gain: float | None
+    predicted_gap_closed: float | None
+    gain_score: str | None = None
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    keep_modules: list[str] = field(default_factory=list)
+
+    @property
+    def fraction(self) -> float:
+        """The chosen bytes as a share of the quantised weights' BF16 bytes."""
+        return self.bytes / self.total_bytes if self.total_bytes else 0.0
+
+    @property
+    def budget_fraction(self) -> float:
+        return self.budget_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def skip_modules(self, keep: Sequence[str] | None = None) -> list[str]:
+        """See :func:`skip_modules`."""
+        return skip_modules(self, keep)
+
+    def summary(self) -> str:
+        """A few lines: budget, chosen set, predicted and measured gap closed."""
+        lines = [f"plan by {self.criterion}: {len(self.indices)} unit(s), {self.bytes / 2**20:.1f} MiB BF16 = "
+                 f"{100 * self.fraction:.1f} % of the quantised weights' BF16 bytes (budget "
+                 f"{self.budget_bytes / 2**20:.1f} MiB, {100 * self.budget_fraction:.1f} %)"]
+        if self.predicted_gap_closed is not None:
+            lines.append(f"  predicted gap closed (sum of single {self.gain_score} gains): "
+                         f"{_fmt(self.predicted_gap_closed, '.3f')}")
+        for where, m in self.measured.items():
+            lines.append(f"  measured gap closed on {where}: {_fmt(m['gap_closed'], '.3f')} (L_low {m['loss_low']:.4f}, "
+                         f"L_plan {m['loss_plan']:.4f}, L_high {m['loss_high']:.4f})")
+        if self.names:
+            lines.append("  units: " + ", ".join(self.names))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe({
+            "criterion": self.criterion, "budget_bytes": self.budget_bytes, "budget_fraction": self.budget_fraction,
+            "total_bytes": self.total_bytes, "bytes": self.bytes, "fraction": self.fraction,
+            "indices": list(self.indices), "names": list(self.names), "modules": list(self.modules),
+            "predicted_gain": self.predicted_gain, "predicted_gap_closed": self.predicted_gap_closed,
+            "gain_score": self.gain_score, "measured": self.measured, "skip_modules": self.skip_modules(),
+        })
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB" if n >= 2**10 else f"{int(n)} B"
+
+
+def budget_error(sizes: Sequence[int], budget: int, names: Sequence[str] | None = None) -> str | None:
+    """Why a budget of ``budget`` extra BF16 bytes cannot be planned over units of ``sizes`` bytes (None if it can):
+    it buys no unit (below the smallest one), or it exceeds the quantised weights' BF16 bytes (the sum)."""
+    total = sum(sizes)
+    positive = [(b, i) for i, b in enumerate(sizes) if b > 0]
+    if not positive:
+        return "the units hold no bytes to plan"
+    smallest, where = min(positive)
+    unit = f" ({names[where]})" if names else ""
+    bounds = (f"the smallest unit{unit} is {smallest} B ({_mib(smallest)}), all {len(sizes)} units total {total} B "
+              f"({_mib(total)})")
+    if budget < smallest:
+        return f"budget {budget} B ({_mib(budget)}) buys no unit: {bounds}"
+    if budget > total:
+        return f"budget {budget} B ({_mib(budget)}) exceeds what there is to keep on BF16: {bounds}"
+    return None
+
+
+def _budget(profile: SensitivityProfile, budget_bytes: int | None, budget_fraction: float | None) -> int:
+    if (budget_bytes is None) == (budget_fraction is None):
+        raise ValueError("give exactly one of budget_bytes and budget_fraction")
+    if budget_fraction is not None:
+        if not (isinstance(budget_fraction, (int, float)) and not isinstance(budget_fraction, bool)
+                and 0 < budget_fraction <= 1):
+            raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
+        budget = int(budget_fraction * profile.total_bytes)
+    else:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
+        budget = budget_bytes
+    why = budget_error([u.bytes for u in profile.units], budget, [u.name for u in profile.units])
+    if why:
+        given = f"budget_fraction {budget_fraction!r}: " if budget_fraction is not None else ""
+        raise ValueError(given + why)
+    return budget
+
+
+def _check_same_units(profile: SensitivityProfile, info: list[_Unit]) -> None:
+    """The model's units must be the profile's (same count, names and bytes, in order)."""
+    if len(info) != len(profile.units):
+        raise ValueError(f"the model is not the profiled one: the profile has {len(profile.units)} units, the model "
+                         f"{len(info)} ({type(info[0].module).__name__ if info else '-'} ...)")
+    for i, (u, m) in enumerate(zip(profile.units, info)):
+        if (u.name, u.bytes) != (m.name, m.bytes):
+            raise ValueError(f"the model is not the profiled one: unit {i} is {u.name} ({u.bytes} B) in the profile, "
+                             f"{m.name} ({m.bytes} B) in the model")
+
+
+def _check_same_batches(profile: SensitivityProfile, prepared: list[dict[str, Any]], counts: list[int]) -> None:
+    """``batches`` must be the profile's own (its L_low and L_high are reused): compared by fingerprint when
+    the profile has them, else by target-token counts (profiles written before fingerprints were recorded)."""
+    hint = ("; plan(batches=) takes the profile's own batches (its L_low and L_high are reused), other data goes "
+            "in heldout= (a shuffling DataLoader gives other batches on each pass: pass a list)")
+    meta = profile.meta or {}
+    if len(prepared) != profile.batches:
+        raise ValueError(f"batches are not the profile's: {len(prepared)} batch(es), the profile saw {profile.batches}"
+                         + hint)
+    digests, tokens = meta.get("batch_digests"), meta.get("batch_tokens")
+    if digests is not None:
+        for i, (b, d) in enumerate(zip(prepared, digests)):
+            if _batch_digest(b) != d:
+                raise ValueError(f"batches are not the profile's: batch {i} differs from the profiled one (token ids, "
+                                 "labels or mask)" + hint)
+    elif tokens is not None:
+        if list(counts) != list(tokens):
+            raise ValueError(f"batches are not the profile's: target tokens per batch {counts}, the profile saw "
+                             f"{list(tokens)}" + hint)
+    elif sum(counts) != profile.tokens:
+        raise ValueError(f"batches are not the profile's: {sum(counts)} target tokens, the profile saw "
+                         f"{profile.tokens}" + hint)
+
+
+def greedy_select(scores: Sequence[float], sizes: Sequence[int], budget: int) -> list[int]:
+    """Indices chosen greedily by score per byte (highest first, ties to the lower index), skipping
+    units that no longer fit; units with a non-positive (or non-finite) score are never chosen."""
+    order = sorted((i for i, s in enumerate(scores) if math.isfinite(s) and s > 0 and sizes[i] > 0),
+                   key=lambda i: (-scores[i] / sizes[i], i))
+    return fill_in_order(order, sizes, budget)
+
+
+def fill_in_order(order: Iterable[int], sizes: Sequence[int], budget: int) -> list[int]:
+    """Walk ``order`` and keep each index whose size still fits in ``budget`` (sorted result)."""
+    chosen, used = [], 0
+    for i in order:
+        if used + sizes[i] <= budget:
+            chosen.append(i)
+            used += sizes[i]
+    return sorted(chosen)
+
+
+def plan(
+    profile: SensitivityProfile,
+    budget_bytes: int | None = None,
+    *,
+    budget_fraction: float | None = None,
+    criterion: str | None = None,
+    model: nn.Module | None = None,
+    batches: Iterable[dict[str, Any]] | None = None,
+    heldout: Iterable[dict[str, Any]] | None = None,
+    heldout_reference: tuple[float, float] | None = None,
+    units: UnitSpec = None,
+) -> PrecisionPlan:
+    """Choose the units to keep on BF16 within a byte budget, and (with ``model``) measure the choice.
+
+    Greedy by score per BF16 byte; units with a non-positive score are never chosen, so a plan may use
+    less than its budget. Single gains do not add, so the set's gain is measured: with ``model`` and
+    ``batches`` (the profile's batches: the profile's L_low and L_high are reused, one forward), and
+    optionally ``heldout`` batches (three forwards: low, high, the plan).
+
+    Args:
+        profile: from :func:`profile_sensitivity`.
+        budget_bytes: extra BF16 bytes allowed; or ``budget_fraction``: a share of the quantised weights'
+            BF16 bytes (``profile.total_bytes``). Exactly one of them.
+        criterion: the score to plan by (default: :data:`DEFAULT_CRITERION` if in the profile, else the
+            first present).
+        model, batches, heldout, units: for the measurement (the model the profile was taken on; ``batches``
+            must be the profile's own, whose L_low and L_high the profile holds). Both are checked: the model's
+            units (count, names, bytes) against the profile's, the batches against the fingerprints (or, for an
+            older profile, the target-token counts) the profile recorded; a mismatch is a ValueError.
+        heldout_reference: ``(L_low, L_high)`` on ``heldout`` when already measured (saves two forwards).
+
+    Returns:
+        A :class:`PrecisionPlan`; :func:`skip_modules` turns it into ``llm_int8_skip_modules``.
+
+    Raises:
+        ValueError: a budget that buys no unit (below the smallest unit's bytes) or exceeds the total (the
+            message gives both), ``budget_fraction`` outside (0, 1], another model or other batches.
+    """
+    name = profile._score_name(criterion)
+    budget = _budget(profile, budget_bytes, budget_fraction)
+    chosen = greedy_select(profile.scores(name), [u.bytes for u in profile.units], budget)
+    gain_score = name if name in GAIN_SCORES else next((s for s in GAIN_SCORES if s in profile.score_names), None)
+    predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
+    gap = profile.gap
+    result = PrecisionPlan(
+        criterion=name, budget_bytes=budget, total_bytes=profile.total_bytes, indices=chosen,
+        names=[profile.units[i].name for i in chosen],
+        modules=[m for i in chosen for m in profile.units[i].modules],
+        bytes=sum(profile.units[i].bytes for i in chosen), predicted_gain=predicted,
+        predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
+        keep_modules=list(profile.keep_modules))
+    if model is not None:
+        _check_same_units(profile, _units(model, units))
+        if batches is not None:
+            prepared, counts = _prepare_batches(model, batches)
+            _check_same_batches(profile, prepared, counts)
+            ref = (profile.losses["low"], profile.losses["high"])
+            result.measured["profile"] = measure_plan(model, chosen, prepared, reference=ref, units=units)
+        if heldout is not None:
+            result.measured["heldout"] = measure_plan(model, chosen, heldout, reference=heldout_reference,
+                                                      units=units)
+    elif batches is not None or heldout is not None:
+        raise ValueError("measuring a plan needs the model: plan(..., model=model, batches=...)")
+    return result
+
+
+def measure_plan(
+    model: nn.Module,
+    chosen: PrecisionPlan | Sequence[int],
+    batches: Iterable[dict[str, Any]],
+    reference: tuple[float, float] | None = None,
+    units: UnitSpec = None,
+) -> dict[str, float]:
+    """The loss with ``chosen`` on BF16 (the rest low) and the share of the low-to-high gap it closes.
+
+    Args:
+        model: the profiled dual-path model.
+        chosen: a plan or unit indices.
+        batches: the data (as for :func:`profile_sensitivity`).
+        reference: ``(L_low, L_high)`` on these batches when known (else two more forwards measure them).
+
+    Returns:
+        ``loss_low``, ``loss_high``, ``loss_plan``, ``gap_closed`` = (L_low - L_plan) / (L_low - L_high)
+        (NaN when L_low == L_high), ``seconds``.
+    """
+    indices = list(chosen.indices if isinstance(chosen, PrecisionPlan) else chosen)
+    info = _units(model, units)
+    bad = [i for i in indices if not _is_int(i) or not 0 <= i < len(info)]
+    if bad:
+        raise ValueError(f"unit indices {bad[:5]} are not units of this model (it has {len(info)}: 0 to {len(info) - 1})")
+    if isinstance(chosen, PrecisionPlan) and len(chosen.names) == len(indices):
+        for i, name in zip(indices, chosen.names):
+            if info[i].name != name:
+                raise ValueError(f"the plan is not for this model: its unit {i} is {name}, the model's is {info[i].name}")
+    prepared, counts = _prepare_batches(model, batches)
+    weights = [n / sum(counts) for n in counts]
+    from gnmr_hf.backends.base import active_units
+
+    start = active_units(model, [(u.name, u.module) for u in info])
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            def mean_loss(path: Iterable[int]) -> float:
+                _set_path(info, path)
+                return sum(w * float(_loss(model, b)) for w, b in zip(weights, prepared))
+
+            if reference is None:
+                low, high = mean_loss([]), mean_loss(range(len(info)))
+            else:
+                low, high = float(reference[0]), float(reference[1])
+            planned = mean_loss(indices)
+    finally:
+        _set_path(info, start)
+        model.train(was_training)
+    gap = low - high
+    return {"loss_low": low, "loss_high": high, "loss_plan": planned,
+            "gap_closed": (low - planned) / gap if gap != 0 else math.nan, "seconds": time.perf_counter() - t0}
+
+
+
+def random_sets(sizes: Sequence[int], budget: int, draws: int, seed: int = 0) -> list[list[int]]:
+    """``draws`` random unit sets of at most ``budget`` bytes: units in a seeded random order, each taken
+    when it still fits (the same fill rule as the greedy planner)."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(draws):
+        order = list(range(len(sizes)))
+        r.shuffle(order)
+        chosen, used = [], 0
+        for i in order:
+            if used + sizes[i] <= budget:
+                chosen.append(i)
+                used += sizes[i]
+        out.append(sorted(chosen))
+    return out
+

@@ -1,0 +1,69 @@
+"""The profile's plot: gap closed against extra BF16 bytes, and a layer x operator heat map."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# ------------------------------------------------------------------------------------------ plot
+
+_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def plot_profile(profile: Any, plans: Sequence[Any], path: str | os.PathLike,
+                 criterion: str | None = None, title: str | None = None) -> Path:
+    """``profile`` a :class:`gnmr_hf.SensitivityProfile`, ``plans`` its :class:`gnmr_hf.PrecisionPlan` s. Two panels: gap closed (predicted and measured) against extra BF16 bytes; a layer x operator heat
+    map of the scores. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = profile._score_name(criterion)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.1]})
+    ordered = sorted(plans, key=lambda p: p.bytes)
+    xs = [0.0] + [100 * p.fraction for p in ordered] + [100.0]
+    if any(p.predicted_gap_closed is not None for p in ordered):
+        ys = [0.0] + [math.nan if p.predicted_gap_closed is None else p.predicted_gap_closed for p in ordered] + [math.nan]
+        ax1.plot(xs, ys, "o--", label=f"predicted (sum of single {ordered[0].gain_score} gains)")
+    for where in sorted({w for p in ordered for w in p.measured}):
+        ys = [0.0] + [p.measured.get(where, {}).get("gap_closed", math.nan) for p in ordered] + [1.0]
+        ax1.plot(xs, ys, "o-", label=f"measured ({where})")
+    ax1.plot([0, 100], [0, 1], ":", color="grey", label="proportional to bytes")
+    ax1.set_xlabel("extra BF16 bytes, % of the quantised weights' BF16 bytes")
+    ax1.set_ylabel("gap closed  (L_low - L_plan) / (L_low - L_high)")
+    ax1.set_xlim(0, max(30.0, 1.1 * max(xs[1:-1], default=0.0)))
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"plans by {name}")
+
+    layers = sorted({u.layer for u in profile.units if u.layer is not None})
+    ops = [o for o in _OPS if any(u.op == o for u in profile.units)] + sorted(
+        {u.op for u in profile.units} - set(_OPS))
+    grid = [[math.nan] * len(ops) for _ in layers]
+    for u in profile.units:
+        if u.layer is not None and u.op in ops:
+            grid[layers.index(u.layer)][ops.index(u.op)] = u.scores.get(name, math.nan)
+    vals = [v for row in grid for v in row if math.isfinite(v)]
+    vmax = max((abs(v) for v in vals), default=1.0) or 1.0
+    signed = any(v < 0 for v in vals)
+    im = ax2.imshow(grid, aspect="auto", cmap="RdBu_r" if signed else "viridis",
+                    vmin=-vmax if signed else 0, vmax=vmax, interpolation="nearest")
+    ax2.set_xticks(range(len(ops)), ops, rotation=45, ha="right", fontsize=8)
+    ax2.set_yticks(range(len(layers)), [str(v) for v in layers], fontsize=6 if len(layers) > 20 else 8)
+    ax2.set_ylabel("decoder layer")
+    ax2.set_title(f"{name} score per unit")
+    fig.colorbar(im, ax=ax2, label=name + (" (loss gain)" if any(p.gain_score == name for p in plans) else ""))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
