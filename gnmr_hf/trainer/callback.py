@@ -2,7 +2,8 @@
 
 The callback gathers per-unit gradient norms, steps the controller (or a user policy) and applies its
 answer through :func:`gnmr_hf.set_active_units`; statistics live in :mod:`gnmr_hf.core`, the low-cost
-and recovery paths in :mod:`gnmr_hf.backends`, the Trainer plumbing in :mod:`gnmr_hf.trainer.wiring`.
+and recovery paths in :mod:`gnmr_hf.backends`, the Trainer plumbing in :mod:`gnmr_hf.trainer.wiring`, the
+checks and set-up around the loop (train begin, resume, evaluation, run end) in :mod:`gnmr_hf.trainer.lifecycle`.
 The clipping contract, the fp16 skip rule and the trace format are in docs/design.md. In short: the
 Trainer calls ``accelerator.clip_grad_norm_`` once per optimizer step (with ``max_grad_norm``, or
 ``inf`` to only measure); during a run the callback answers that call with
@@ -14,24 +15,21 @@ traced as ``"skipped": true`` and never reaches it.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import os
 import warnings
 from typing import Any
 
 import torch
 from transformers.trainer_callback import TrainerCallback
 
-from gnmr_hf.backends.base import dual_path_modules, recoverable_units, set_active_units
-from gnmr_hf.core.controller import GNMRConfig, GNMRController, init_steps_from_fraction
-from gnmr_hf.trainer import wiring
+from gnmr_hf.backends.base import set_active_units
+from gnmr_hf.core.controller import GNMRConfig
+from gnmr_hf.trainer import lifecycle, wiring
 from gnmr_hf.trainer.grad_norms import MicroBatchNorms, UnitGradNorms
 from gnmr_hf.trainer.ranks import RankAgreement, world_size
-from gnmr_hf.trainer.state import GNMRState, check_saved, policy_settings, saved_entries, with_state_entry
-from gnmr_hf.trainer.trace import TRACE_NAME, LogWindow, TraceWriter, jsonable
-from gnmr_hf.units import UNIT_GRAINS, Unit, resolve_units, short_name
+from gnmr_hf.trainer.state import GNMRState, policy_settings
+from gnmr_hf.trainer.trace import LogWindow, TraceWriter, jsonable
+from gnmr_hf.units import Unit
 
 # per-step record keys that are counts (or lists whose length is the count), logged as gnmr/<key>
 _LOGGED_KEYS = ("active", "promoted", "demoted", "over_gnmr", "over_delta", "hit_max", "nonfinite", "skipped")
@@ -105,7 +103,7 @@ class GNMRCallback(TrainerCallback):
         eval_on_recovery: bool = False,
         strict_resume: bool = False,
     ) -> None:
-        config = _checked_args(config, units, policy, init_fraction, trace)
+        config = lifecycle.checked_args(config, units, policy, init_fraction, trace)
         for name, value in (("eval_on_recovery", eval_on_recovery), ("strict_resume", strict_resume)):
             if not isinstance(value, bool):
                 raise TypeError(f"GNMRCallback: {name} must be a bool, got {type(value).__name__}")
@@ -170,36 +168,13 @@ class GNMRCallback(TrainerCallback):
         self.end_run(finished=False)  # a run that raised (or the Trainer's batch-size retry) left it live
         self._reset_run()
         trainer = wiring.find_trainer(self)
-        if model is None:
-            raise ValueError("GNMRCallback needs the model (the Trainer passes it to callbacks)")
-        if trainer is not None:
-            wiring.refuse_second(trainer, GNMRCallback)
-        wiring.refuse_unsupported(args, trainer, model)
-        try:
-            self._units = resolve_units(model, self.units)
-        except ValueError as e:
-            raise ValueError(f"GNMRCallback found no units in {type(model).__name__}: {e}") from e
-        self._norms = UnitGradNorms(self._units)
-        if not self._norms.params:
-            raise ValueError(f"GNMRCallback: none of the {len(self._units)} units ({self._units[0][0]}, ...) holds a "
-                             "trainable parameter, so there is no gradient to monitor")
-        empty = [name for (name, _), c in zip(self._units, self._norms.counts) if c == 0]
-        if empty:
-            warnings.warn(f"GNMRCallback: units without trainable parameters (norm always 0): {empty}", stacklevel=2)
-        self._recoverable = recoverable_units(model, self._units)
-        self._dual = list(dual_path_modules(model))
-        if self.policy is None:
-            wiring.refuse_unprepared(model, self.config.max_active, self._recoverable, self._dual)
-        self.controller = self._build_controller(len(self._units), state.max_steps)
-        if getattr(self.controller, "needs_microbatch_norms", False):
-            if world_size() > 1:
-                raise ValueError("GNMRCallback: a policy with needs_microbatch_norms is supported on a single process only")
-            self._micro = MicroBatchNorms(self._norms)
+        lifecycle.find_units(self, args, trainer, model)  # refusals first, then units, norms, recovery paths
+        self.controller = lifecycle.build_controller(self, len(self._units), state.max_steps)
         self._effective_batch = wiring.effective_batch(args, trainer)
         self._settings = policy_settings(self.controller) if self.policy is not None else None
-
         self._last_step = state.global_step
-        self._active = self._resume(state) if state.global_step > 0 else self._indices(self.controller.initial_mask())
+        resumed = state.global_step > 0
+        self._active = lifecycle.resume(self, state) if resumed else self._indices(self.controller.initial_mask())
         self._model, self._live = model, True
         if trainer is not None:
             self._guard = wiring.guard(trainer)
@@ -207,91 +182,18 @@ class GNMRCallback(TrainerCallback):
         self._apply(model, force=True)
         if world_size() > 1 and self.check_ranks:
             self._ranks = RankAgreement.for_current_group(len(self._units))
-        if state.is_world_process_zero and self.trace:
-            path = self.trace if isinstance(self.trace, str) else os.path.join(args.output_dir, TRACE_NAME)
-            self._trace = TraceWriter(path, state.global_step)
-            self.trace_path = path
-        if trainer is not None:
-            wiring.place(trainer, self)
-            with_state_entry(state.stateful_callbacks, self.state_carrier)
-            self._accelerator = trainer.accelerator
-            if wiring.take_over_clip(trainer, self) and not self._warned_clip:
-                self._warned_clip = True
-                warnings.warn(
-                    f"GNMRCallback: accelerator.clip_grad_norm_ is not accelerate's own method "
-                    f"({getattr(trainer.accelerator.clip_grad_norm_, 'gnmr_original', None)!r}), so another library "
-                    "wraps it; the callback keeps that wrapper and reads the per-unit norms of the unclipped gradients "
-                    "in a separate pass before each clip call (one extra norm pass over the units' gradients per "
-                    "optimizer step)", stacklevel=2)
+        lifecycle.connect(self, args, state, trainer)
 
     def unit_bytes(self) -> list[int]:
         """Each unit's recovery bytes: the checkpoint weights its dual-path layers hold while promoted, in the
         dtype they are kept in (``prepare_dual_path(dtype=...)``, BF16 by default); 0 for a unit whose
         dual-path layers hold no weight (activation quantisation, MX)."""
-        out = []
-        for _, unit in self._units:
-            total = 0
-            for m in dual_path_modules(unit):
-                source = getattr(m, "_gnmr_source", None)
-                if source is not None:
-                    total += m.out_features * m.in_features * torch.finfo(source.dtype).bits // 8
-            out.append(total)
-        return out
-
-    def _build_controller(self, num_units: int, max_steps: int) -> Any:
-        if self.policy is None:
-            config = self.config
-            if self.init_fraction is not None:
-                config = dataclasses.replace(config, init_steps=init_steps_from_fraction(self.init_fraction, max_steps))
-            if config.max_active_bytes is not None:
-                self._unit_bytes = self.unit_bytes()
-            return GNMRController(num_units, config, recoverable=list(self._recoverable), unit_bytes=self._unit_bytes)
-        policy = self.policy
-        if isinstance(policy, type) or (callable(policy) and not hasattr(policy, "step")):
-            policy = policy(num_units, recoverable=list(self._recoverable))
-        for name in ("step", "initial_mask", "state_dict", "load_state_dict", "summary"):
-            if not callable(getattr(policy, name, None)):
-                raise TypeError(f"GNMRCallback: the policy {type(policy).__name__} has no method {name}()")
-        planned = getattr(policy, "num_units", None)
-        if isinstance(planned, int) and planned != num_units:
-            raise ValueError(f"GNMRCallback: the policy {type(policy).__name__} was built for {planned} units (a plan "
-                             f"over {planned} units), but the model has {num_units} ({self._units[0][0]}, ...): "
-                             "build the plan on this model, with the same unit grain (prepare_dual_path(units=...))")
-        return policy
-
-    def _resume(self, state) -> list[int]:
-        names = [name for name, _ in self._units]
-        entries = saved_entries(state.stateful_callbacks)
-        saved = next((s for s in entries if s.get("units") == names), entries[0] if entries else None)
-        if saved is None:
-            warnings.warn(f"GNMRCallback: resuming at step {state.global_step} without a saved GNMR state (the "
-                          "checkpoint was made without this callback); the controller starts from scratch", stacklevel=3)
-            return self._indices(self.controller.initial_mask())
-        config, policy = self._identity()
-        check_saved(saved, names, state.global_step, config, policy, self._settings)
-        old = saved.get("effective_batch")  # absent in checkpoints made before it was recorded: unknown
-        if old is not None and old != self._effective_batch:
-            message = (f"GNMRCallback: the checkpoint's GNMR statistics were gathered with an effective batch of {old} "
-                       f"samples per optimizer step, this run uses {self._effective_batch} (per-device batch x gradient "
-                       "accumulation x data-parallel processes); gradient norms at another batch size are not comparable")
-            if self.strict_resume:
-                raise ValueError(message + ". strict_resume=True refuses this: resume with the same batch settings, or "
-                                 "pass strict_resume=False to restart the statistics.")
-            warnings.warn(message + ", so the GNMR statistics restart at this step (a fresh controller: a new warm-up, "
-                          "no locks, nothing on the recovery path)", stacklevel=3)
-            return self._indices(self.controller.initial_mask())
-        self.controller.load_state_dict(saved["controller"])
-        return list(saved["active"])
-
-    def _identity(self) -> tuple[dict | None, str | None]:
-        if isinstance(self.controller, GNMRController) and self.policy is None:
-            return self.controller.config.to_dict(), None
-        return None, type(self.controller).__name__
+        return lifecycle.unit_bytes(self._units)
 
     def _run_state(self) -> dict | None:
         if self.controller is None:
             return None
-        config, policy = self._identity()
+        config, policy = lifecycle.identity(self)
         return {"units": [name for name, _ in self._units], "step": int(self._last_step), "active": list(self._active),
                 "controller": jsonable(self.controller.state_dict()), "config": config, "policy": policy,
                 "policy_settings": self._settings, "effective_batch": self._effective_batch}
@@ -308,7 +210,7 @@ class GNMRCallback(TrainerCallback):
             self._micro.observe(last=True, scale=wiring.loss_scale(self._accelerator))  # still scaled, as the others
         self._accelerator.unscale_gradients()
         total, self._step_sq = self._norms.clip_(parameters, max_norm)
-        self._scale_before = self._loss_scale_now()
+        self._scale_before = lifecycle.scale_before_step(self._accelerator)
         return total
 
     def read_norms(self) -> None:
@@ -322,11 +224,7 @@ class GNMRCallback(TrainerCallback):
         if sq is None:
             sq = torch.zeros(len(self._units), dtype=torch.float64)
         self._step_sq = sq / scale**2 if scale != 1.0 else sq
-        self._scale_before = self._loss_scale_now()
-
-    def _loss_scale_now(self) -> float | None:
-        scaler = self._accelerator.scaler
-        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        self._scale_before = lifecycle.scale_before_step(self._accelerator)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.controller is None or self._step_sq is not None:
@@ -354,7 +252,7 @@ class GNMRCallback(TrainerCallback):
         else:
             norms = norms.cpu()
         micro = self._micro.take() if self._micro is not None else []
-        if self._step_was_skipped():
+        if lifecycle.step_was_skipped(self._accelerator, self._scale_before):
             # the loss scaler found inf/NaN and skipped the update: not a gradient spike, not a statistic
             record = {"skipped": True}
         else:
@@ -369,15 +267,6 @@ class GNMRCallback(TrainerCallback):
             self._ranks.launch(step, self._active)
         self._last_step = step
         self._record(step, norms, record, model)
-
-    def _step_was_skipped(self) -> bool:
-        if self._accelerator is None:
-            return False
-        if self._scale_before is not None:
-            # the scaler backs off exactly when it found inf/NaN; accelerate's optimizer_step_was_skipped
-            # misses it with optimizers that skip by themselves (fused AdamW, the Trainer's default)
-            return self._accelerator.scaler.get_scale() < self._scale_before
-        return bool(self._accelerator.optimizer_step_was_skipped)
 
     def _indices(self, mask: Any) -> list[int]:
         mask = torch.as_tensor(mask)
@@ -432,52 +321,12 @@ class GNMRCallback(TrainerCallback):
         (no recovery bytes held), close the trace; a finished run also checks the last rank agreement and
         writes the summary. The controller, ``active`` (the decision for the next step) and the checkpointed
         state stay. ``on_train_end`` calls it, and the Trainer guard when ``train()`` raises."""
-        if not self._live:
-            return
-        self._live = False
-        if self._guard is not None and self in self._guard.live:
-            self._guard.live.remove(self)
-        self.clip_token = None
-        try:
-            if self._accelerator is not None:
-                wiring.give_back_clip(self._accelerator)
-            if finished and self._ranks is not None:
-                self._ranks.flush()
-        finally:
-            self._ranks = None
-            try:
-                if self._trace is not None:
-                    summary = None
-                    if finished:
-                        summary = {"summary": self.controller.summary(), "steps": int(self._last_step),
-                                   "units": [short_name(n) for n, _ in self._units],
-                                   "recoverable": list(self._recoverable)}
-                        if self._unit_bytes is not None:
-                            summary["unit_bytes"] = list(self._unit_bytes)
-                    self._trace.close(summary)
-                    self._trace = None
-            finally:
-                if self._model is not None and any(self._recoverable):
-                    set_active_units(self._model, [], self._units)
-                self._applied = []
+        lifecycle.end_run(self, finished)
 
-    @contextlib.contextmanager
     def inference_path(self):
-        """Run the body (the Trainer's ``evaluate``/``predict`` inside a run) on the low-cost path, then put the
-        training mask back; nothing happens outside a run or with ``eval_on_recovery=True``."""
-        if not self._live or self.eval_on_recovery:
-            yield
-            return
-        self._eval_depth += 1
-        try:
-            if self._eval_depth == 1 and self._applied and any(self._recoverable):
-                set_active_units(self._model, [], self._units)
-            yield
-        finally:
-            self._eval_depth -= 1
-            if self._eval_depth == 0 and self._live and self._applied:
-                set_active_units(self._model, self._applied, self._units)
-
+        """A context: the body (the Trainer's ``evaluate``/``predict`` inside a run) on the low-cost path, then
+        the training mask back; nothing happens outside a run or with ``eval_on_recovery=True``."""
+        return lifecycle.low_path_during_eval(self)
 
 def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any) -> GNMRCallback:
     """Add a :class:`GNMRCallback` to ``trainer``, first in its callback list (ahead of the reporting
@@ -497,26 +346,3 @@ def attach(trainer: Any, config: GNMRConfig | dict | None = None, **kwargs: Any)
     wiring.place(trainer, callback)
     return callback
 
-
-def _checked_args(config: Any, units: Any, policy: Any, init_fraction: Any, trace: Any) -> GNMRConfig | None:
-    """The callback's config (``None`` with a policy); ``ValueError``/``TypeError`` naming a bad argument."""
-    if policy is not None and config is not None:
-        raise ValueError("GNMRCallback: pass either config (for GNMRController) or policy, not both")
-    if policy is not None and init_fraction is not None:
-        raise ValueError("GNMRCallback: init_fraction applies to GNMRController's config, not to a policy")
-    if isinstance(config, dict):
-        config = GNMRConfig.from_dict(config)
-    elif config is None and policy is None:
-        config = GNMRConfig()
-    elif config is not None and not isinstance(config, GNMRConfig):
-        raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
-    if init_fraction is not None:
-        init_steps_from_fraction(init_fraction, 0)  # validates: ValueError naming init_fraction
-        if config.init_steps:
-            raise ValueError("GNMRCallback: give init_fraction or config.init_steps, not both")
-    if isinstance(units, str) and units not in UNIT_GRAINS:
-        raise TypeError(f"GNMRCallback: units must be one of {UNIT_GRAINS}, a list of module names or a callable, "
-                        f"got the string {units!r}")
-    if not isinstance(trace, (bool, str)):
-        raise TypeError(f"GNMRCallback: trace must be a bool or a path, got {type(trace).__name__}")
-    return config
