@@ -52,11 +52,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runner  # noqa: E402  (bench/runner.py: the run loop every resumable bench shares)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"
@@ -321,77 +323,23 @@ def plan_runs(seeds: list[int], oracle_seed: int | None) -> list[tuple[str, int,
     return runs
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _claim(run_dir: Path) -> bool:
-    lock = run_dir / "run.lock"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and _alive(pid):
-                return False
-            lock.unlink(missing_ok=True)  # a dead owner's lock
-            continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return True
-    return False
-
-
 def plan(args: argparse.Namespace) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = plan_runs(seeds, None if args.no_oracle else seeds[0])
     if args.workers > 1 and not args.worker:
-        procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(w)])
-                 for w in range(args.workers)]
-        sys.exit(max(p.wait() for p in procs))
+        runner.fan_out(args.workers)
     out = Path(args.out)
-    failed: set[tuple[str, int]] = set()
-    while True:
-        pending = [r for r in runs if not (out / r[0] / f"seed{r[1]}" / "result.json").is_file()
-                   and (r[0], r[1]) not in failed]
-        if not pending:
-            break
-        ready = [r for r in pending if r[0] not in DERIVED
-                 or (out / "gnmr" / f"seed{r[1]}" / "result.json").is_file()]
-        took = False
-        for method, seed, with_oracle in ready:
-            run_dir = out / method / f"seed{seed}"
-            if not _claim(run_dir):
-                continue
-            took = True
-            cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(seed), "--out", str(run_dir),
-                   "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
-                   "--profile-steps", str(args.profile_steps), "--data-dir", str(out / "data")]
-            if with_oracle:
-                cmd.append("--oracle")
-            done = len(runs) - len(pending)
-            print(f"[{time.strftime('%H:%M:%S')}] {done}/{len(runs)} done; running {method} seed {seed}", flush=True)
-            with open(run_dir / "log.txt", "a") as log:
-                rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-            (run_dir / "run.lock").unlink(missing_ok=True)
-            if rc != 0:
-                print(f"  {method} seed {seed} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
-                failed.add((method, seed))
-            break
-        if not took:
-            time.sleep(20)  # the other worker holds what is ready
-    print("plan complete" + (f"; failed: {sorted(failed)}" if failed else ""), flush=True)
+    jobs = []
+    for method, seed, with_oracle in runs:
+        run_dir = out / method / f"seed{seed}"
+        cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(seed), "--out", str(run_dir),
+               "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
+               "--profile-steps", str(args.profile_steps), "--data-dir", str(out / "data")]
+        if with_oracle:
+            cmd.append("--oracle")
+        jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
+                               needs=(("gnmr", seed),) if method in DERIVED else ()))
+    runner.run_plan(jobs)
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -43,8 +43,9 @@ Commands::
     python bench/qlora_budget.py run --method prof-op-10 --seed 0 --out /tmp/x    # one run
 
 One torch thread per run. A finished run has ``result.json``; ``plan`` skips it, claims a run by a lock
-file (a dead owner's lock is reclaimed; bench/nf4_bench.py's), runs it in a subprocess with its log
-beside the result, and runs the profile first (``profile.json``, shared by every seed).
+file (a dead owner's lock is reclaimed), runs it in a subprocess with its log beside the result, and
+runs the profile first (``profile.json``, shared by every seed): bench/runner.py, the run loop the
+resumable benches share.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,7 +62,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-import nf4_bench  # noqa: E402  (bench/ is scripts: the shared run plumbing lives there)
+import nf4_bench  # noqa: E402  (bench/ is scripts: the held-out loss and the gap probe live there)
+import runner  # noqa: E402  (the run loop: claim, subprocess, log, resume, failed set)
 
 RECIPE = ROOT / "recipes" / "smollm2-135m" / "nf4.yaml"  # plain QLoRA; the dual path is added here
 GNMR_RECIPE = ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"  # its gnmr block: thresholds, locks, window
@@ -596,14 +597,14 @@ def bundled(args: argparse.Namespace) -> None:
         kind, _ = parse_method(method)
         run_dir = out / "bundled" / method / f"seed{args.seed}"
         if not (run_dir / "result.json").is_file():
-            if not nf4_bench._claim(run_dir):
+            if not runner.claim(run_dir):
                 print(f"{method}: another process holds {run_dir}; skipped", flush=True)
                 continue
             print(f"[{time.strftime('%H:%M:%S')}] training {method} seed {args.seed} (adapter kept)", flush=True)
             cmd = [sys.executable, __file__, "run", "--method", method, "--seed", str(args.seed), "--out", str(run_dir),
                    "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
                    "--data-dir", str(out / "data"), "--save-adapter", str(run_dir / "adapter"), "--root", str(out)]
-            if not _run_claimed(run_dir, cmd, method):
+            if not runner.run_claimed(run_dir, cmd, method):
                 continue
         result = json.loads((run_dir / "result.json").read_text())
         served_names = [] if kind == "bf16" else served_units(kind, result["planned"])  # bf16: one route
@@ -653,18 +654,6 @@ def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tupl
     return runs
 
 
-def _run_claimed(run_dir: Path, cmd: list[str], what: str) -> bool:
-    """Run ``cmd`` (one torch thread) with its output appended to ``run_dir/log.txt``, then release the lock
-    the caller claimed (``nf4_bench._claim``); False, with a line naming the log, when it failed."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(run_dir / "log.txt", "a") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    (run_dir / "run.lock").unlink(missing_ok=True)
-    if rc != 0:
-        print(f"  {what} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
-    return rc == 0
-
-
 def _run_dir(out: Path, method: str, seed: int) -> Path:
     if method.startswith("oracle:"):
         return oracle_dir(out, seed)
@@ -687,45 +676,23 @@ def plan(args: argparse.Namespace) -> None:
         runs.append(("oracle:" + ORACLE_METHOD, 0))
     out = Path(args.out)
     if args.workers > 1 and not args.worker:
-        procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--worker", str(w)])
-                 for w in range(args.workers)]
-        sys.exit(max(p.wait() for p in procs))
-    failed: set[tuple[str, int]] = set()
-    while True:
-        pending = [r for r in runs if not (_run_dir(out, *r) / "result.json").is_file() and r not in failed]
-        if not pending:
-            break
-        took = False
-        if not profile_path(out).is_file() and any(needs_profile(m) for m, _ in pending) and ("profile", -1) not in failed:
-            run_dir = out / "profile_run"
-            if nf4_bench._claim(run_dir):
-                took = True
-                print(f"[{time.strftime('%H:%M:%S')}] profiling", flush=True)
-                cmd = [sys.executable, __file__, "profile", "--out", str(out), "--batches", str(args.profile_batches)]
-                if not _run_claimed(run_dir, cmd, "profile"):
-                    failed.add(("profile", -1))
-                continue
-        ready = [r for r in pending if not needs_profile(r[0]) or profile_path(out).is_file()]
-        for method, seed in ready:
-            run_dir = _run_dir(out, method, seed)
-            if not nf4_bench._claim(run_dir):
-                continue
-            took = True
-            cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
-                   "--out", str(run_dir), "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
-                   "--data-dir", str(out / "data"), "--eval-every", str(args.eval_every)]
-            if method.startswith("oracle:"):
-                cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
-            print(f"[{time.strftime('%H:%M:%S')}] {len(runs) - len(pending)}/{len(runs)} done; running {method} "
-                  f"seed {seed}", flush=True)
-            if not _run_claimed(run_dir, cmd, f"{method} seed {seed}"):
-                failed.add((method, seed))
-            break
-        if not took:
-            if not ready and ("profile", -1) in failed:
-                break
-            time.sleep(20)  # the other worker holds what is ready
-    print("plan complete" + (f"; failed: {sorted(failed)}" if failed else ""), flush=True)
+        runner.fan_out(args.workers)
+    jobs = []
+    if any(needs_profile(m) for m, _ in runs):
+        jobs.append(runner.Job("profile", out / "profile_run",
+                               [sys.executable, __file__, "profile", "--out", str(out),
+                                "--batches", str(args.profile_batches)],
+                               profile_path(out), label="profile"))
+    for method, seed in runs:
+        run_dir = _run_dir(out, method, seed)
+        cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
+               "--out", str(run_dir), "--steps", str(args.steps), "--eval-problems", str(args.eval_problems),
+               "--data-dir", str(out / "data"), "--eval-every", str(args.eval_every)]
+        if method.startswith("oracle:"):
+            cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
+        jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
+                               needs=("profile",) if needs_profile(method) else (), label=f"{method} seed {seed}"))
+    runner.run_plan(jobs)
 
 
 # ---------------------------------------------------------------------------------------------- report

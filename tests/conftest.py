@@ -54,9 +54,11 @@ def smollm2_dir():
 def load_bench(name: str):
     """The benchmark script ``bench/{name}.py`` as a module (bench/ is scripts, not a package)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module

@@ -111,12 +111,12 @@ def test_the_plan_runs_the_references_before_the_runs_that_need_them():
 
 def test_a_lock_is_taken_once_and_a_dead_owners_lock_is_reclaimed(tmp_path):
     run_dir = tmp_path / "gnmr" / "seed0"
-    assert nb._claim(run_dir)
-    assert not nb._claim(run_dir)  # held by this (live) process
+    assert nb.runner.claim(run_dir)
+    assert not nb.runner.claim(run_dir)  # held by this (live) process
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (run_dir / "run.lock").write_text(str(dead.pid))
-    assert nb._claim(run_dir)
+    assert nb.runner.claim(run_dir)
     assert (run_dir / "run.lock").read_text() == str(os.getpid())
 
 

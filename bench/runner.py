@@ -1,0 +1,140 @@
+"""The one run loop of the resumable benches (bench/nf4_bench.py, bench/qlora_budget.py).
+
+A bench describes its plan as a list of :class:`Job` (a key, a run folder, the command that fills it, the
+file whose existence means "done", and the keys it waits for); :func:`run_plan` runs them:
+
+- **claim**: a job's folder is taken with an exclusive ``run.lock`` holding the owner's pid, so several
+  workers (``--workers N``, :func:`fan_out`) or a second session never run the same job; a dead owner's
+  lock is reclaimed;
+- **subprocess**: each job runs in its own process with one torch thread (``OMP_NUM_THREADS=1``, as the
+  benches' figures are measured) and its output *appended* to ``run folder/log.txt``, so a retried job
+  keeps the log of the attempt that failed;
+- **resume**: a job whose ``done`` file exists is never run again, so a killed plan continues where it
+  stopped when started again;
+- **failed set**: a job that exits non-zero is not retried in this plan (the line printed names its log);
+  the jobs waiting for it are dropped with it, and the plan ends with the list of both.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@dataclass(frozen=True)
+class Job:
+    key: Hashable  # e.g. (method, seed)
+    run_dir: Path  # holds run.lock and log.txt while and after it runs
+    cmd: list[str]
+    done: Path  # the job is finished when this file exists (usually run_dir / "result.json")
+    needs: tuple[Hashable, ...] = ()  # keys of jobs whose `done` must exist first
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or " ".join(str(k) for k in (self.key if isinstance(self.key, tuple) else (self.key,)))
+
+
+@dataclass
+class Outcome:
+    failed: list[Hashable] = field(default_factory=list)
+    blocked: list[Hashable] = field(default_factory=list)  # waited for a failed job
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(run_dir: Path) -> bool:
+    """Take ``run_dir`` (created if missing) for this process: True when its ``run.lock`` is now ours,
+    False while a live process holds it. A lock whose pid is dead (a killed worker) is reclaimed."""
+    lock = run_dir / "run.lock"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and _alive(pid):
+                return False
+            lock.unlink(missing_ok=True)  # a dead owner's lock
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def run_claimed(run_dir: Path, cmd: Sequence[str], what: str) -> bool:
+    """Run ``cmd`` (one torch thread) with its output appended to ``run_dir/log.txt``, then release the lock
+    the caller :func:`claim`-ed; False, with a line naming the log, when it exited non-zero."""
+    with open(run_dir / "log.txt", "a") as log:
+        rc = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+    (run_dir / "run.lock").unlink(missing_ok=True)
+    if rc != 0:
+        print(f"  {what} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
+    return rc == 0
+
+
+def fan_out(workers: int, argv: Sequence[str] | None = None) -> None:
+    """Start ``workers`` copies of this script (``sys.argv`` plus ``--worker i``) and exit with the worst
+    return code; each copy runs :func:`run_plan` over the same plan, the locks keeping them apart."""
+    argv = list(sys.argv if argv is None else argv)
+    procs = [subprocess.Popen([sys.executable, *argv, "--worker", str(w)]) for w in range(workers)]
+    sys.exit(max(p.wait() for p in procs))
+
+
+def run_plan(jobs: Sequence[Job], *, poll_s: float = 20.0,
+             run: Callable[[Path, Sequence[str], str], bool] = run_claimed) -> Outcome:
+    """Run every job of ``jobs`` whose ``done`` file is missing, in list order as their ``needs`` allow,
+    one at a time in this process; returns (and prints) what failed and what it blocked."""
+    by_key = {j.key: j for j in jobs}
+    unknown = [(j.key, n) for j in jobs for n in j.needs if n not in by_key]
+    if unknown:
+        raise ValueError(f"jobs wait for keys not in the plan: {unknown}")
+    out = Outcome()
+    while True:
+        bad = set(out.failed) | set(out.blocked)
+        pending = [j for j in jobs if not j.done.is_file() and j.key not in bad]
+        newly_blocked = [j.key for j in pending if any(n in bad for n in j.needs)]
+        if newly_blocked:
+            out.blocked += newly_blocked
+            continue
+        if not pending:
+            break
+        ready = [j for j in pending if all(by_key[n].done.is_file() for n in j.needs)]
+        took = False
+        for job in ready:
+            if not claim(job.run_dir):
+                continue  # another worker holds it
+            took = True
+            if job.done.is_file():  # finished by another worker between the listing and the claim
+                (job.run_dir / "run.lock").unlink(missing_ok=True)
+                break
+            print(f"[{time.strftime('%H:%M:%S')}] {len(jobs) - len(pending)}/{len(jobs)} done; running {job.name}",
+                  flush=True)
+            if not run(job.run_dir, job.cmd, job.name):
+                out.failed.append(job.key)
+            break
+        if not took:
+            time.sleep(poll_s)  # another worker holds what is ready, or what the rest waits for
+    note = "; ".join(f"{what}: {keys}" for what, keys in (("failed", out.failed), ("blocked by them", out.blocked))
+                     if keys)
+    print("plan complete" + (f"; {note}" if note else ""), flush=True)
+    return out
