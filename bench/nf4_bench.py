@@ -424,6 +424,8 @@ def plot(runs, oracle_runs, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     fig, axes = plt.subplots(1, 2 if oracle_runs else 1, figsize=(13 if oracle_runs else 6.5, 4.5), squeeze=False)
     ax = axes[0][0]
     for label, methods, style in (("static by gap", ["nf4"] + [f"gap-{k}" for k in PRICE_K] + ["bf16"], "o-"),
@@ -466,8 +468,7 @@ def plot(runs, oracle_runs, path: str) -> None:
         ax2.set_ylabel("decoder layer")
         ax2.set_title(f"Recovery gap per layer and step ({r['method']}, seed {r['seed']})")
         ax2.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)  # titles wrapped to fit, then laid out
     print(f"wrote {path}")
 
 

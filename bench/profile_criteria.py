@@ -510,6 +510,8 @@ def plot(out: Path, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     results = json.loads((out / "results.json").read_text())
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
     xs = [0] + [100 * f for f in BUDGETS]
@@ -542,10 +544,7 @@ def plot(out: Path, path: Path) -> Path:
     axes[0].set_ylabel("gap closed (L_low - L_plan) / (L_low - L_high)")
     axes[0].legend(fontsize=8)
     fig.suptitle("SmolLM2-135M-Instruct NF4: plans by each criterion (greedy by score per byte)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)  # titles wrapped to fit, then laid out
 
 
 def main(argv: list[str] | None = None) -> int:

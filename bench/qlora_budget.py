@@ -778,6 +778,8 @@ def plot(runs, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     families = {"profiled operators": "prof-op", "random operators (fixed)": "rand-op", "hybrid": "hybrid"}
     singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10")
@@ -804,8 +806,7 @@ def plot(runs, path: str) -> None:
         ax.set_title(f"gap closed, {route} route (median, range over seeds)")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)  # titles wrapped to fit, then laid out
     print(f"wrote {path}")
 
 

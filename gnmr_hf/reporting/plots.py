@@ -104,7 +104,7 @@ def plot_loss_curves(runs: Mapping[str, str | os.PathLike], out: str | os.PathLi
     ax.set_title(title or "LoRA fine-tuning loss")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_gnmr_heatmap(trace: str | os.PathLike, out: str | os.PathLike, title: str | None = None) -> Path:
@@ -151,16 +151,66 @@ def plot_gnmr_heatmap(trace: str | os.PathLike, out: str | os.PathLike, title: s
     ticks = [t for t in (0.1, 0.2, 0.5, 0.67, 1.0, 1.5, 2.0, 5.0, 10.0) if 10 ** -span <= t <= 10 ** span]
     bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     bar.minorticks_off()
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
-def _save(fig, out: str | os.PathLike) -> Path:
-    """Lay out, write and close a figure (the folder is created); return the path."""
+def _wrap_to(text, width_px: float, renderer) -> None:
+    """Re-wrap a title ``Text`` (each of its lines) so that it is no wider than ``width_px``."""
+    import textwrap
+
+    box = text.get_window_extent(renderer)
+    if not text.get_text() or box.width <= width_px:
+        return
+    lines = text.get_text().split("\n")
+    chars = max(12, int(max(len(line) for line in lines) * width_px / box.width * 0.95))
+    text.set_text("\n".join(textwrap.fill(line, chars) if len(line) > chars else line for line in lines))
+
+
+def fit_text(fig) -> None:
+    """Wrap every axes title to its axes' width and the figure title to the figure's, then lay out, so
+    that titles, labels and legends lie inside the figure at its saved size."""
+    renderer = fig.canvas.get_renderer()
+    fig_w = fig.get_window_extent(renderer).width
+    for ax in fig.axes:
+        width = ax.get_window_extent(renderer).width
+        for text in (ax.title, ax._left_title, ax._right_title):
+            _wrap_to(text, width if ax.get_label() != "<colorbar>" else fig_w, renderer)
+    if fig._suptitle is not None:
+        _wrap_to(fig._suptitle, 0.98 * fig_w, renderer)
+    fig.tight_layout()
+
+
+def texts_outside(fig) -> list[str]:
+    """The visible texts (titles, labels, tick labels, legend entries) that reach outside the figure, as
+    drawn: what a reader of the PNG would see cut off. Empty when everything fits."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = fig.get_window_extent(renderer)
+    undrawn = set()  # labels of ticks outside an axis' view limits: kept by matplotlib, never drawn
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            drawn = {id(t) for t in axis._update_ticks()}
+            undrawn |= {id(lab) for t in axis.get_major_ticks() + axis.get_minor_ticks() if id(t) not in drawn
+                        for lab in (t.label1, t.label2)}
+    bad = []
+    for text in fig.findobj(Text):
+        if not text.get_visible() or not text.get_text().strip() or id(text) in undrawn:
+            continue
+        box = text.get_window_extent(renderer)
+        if box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1 or box.y1 > frame.y1 + 1:
+            bad.append(text.get_text())
+    return bad
+
+
+def save_figure(fig, out: str | os.PathLike, dpi: float | None = None) -> Path:
+    """Fit the texts (:func:`fit_text`), write and close a figure (the folder is created); the path."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fit_text(fig)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    fig.savefig(out, **({} if dpi is None else {"dpi": dpi}))
     plt.close(fig)
     return out

@@ -22,6 +22,8 @@ def plot_profile(profile: Any, plans: Sequence[Any], path: str | os.PathLike,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     name = profile._score_name(criterion)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.1]})
     ordered = sorted(plans, key=lambda p: p.bytes)
@@ -59,11 +61,6 @@ def plot_profile(profile: Any, plans: Sequence[Any], path: str | os.PathLike,
     fig.colorbar(im, ax=ax2, label=name + (" (loss gain)" if any(p.gain_score == name for p in plans) else ""))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 

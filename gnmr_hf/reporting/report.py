@@ -127,6 +127,8 @@ def plot_table(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     panels = [
         ("gsm8k_em", "GSM8K EM (%)", 100.0, "higher is better"),
         ("mmlu_acc", "MMLU Acc. (%)", 100.0, "higher is better"),
@@ -146,12 +148,7 @@ def plot_table(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
         ax.margins(y=0.15)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)
 
 
 EPILOG = """examples:

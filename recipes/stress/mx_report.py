@@ -179,6 +179,8 @@ def heatmap(run: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from gnmr_hf.reporting.plots import save_figure
+
     per = run["per_unit"]
     gap = np.array(per["gap"], dtype=float).T  # [U, T]
     panels = [("recovery gap ||g_MX - g_BF16|| / ||g_BF16||", gap)]
@@ -200,9 +202,7 @@ def heatmap(run: dict[str, Any], path: str | Path) -> None:
     cfg = run["config"]
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(f"{cfg['method']} {cfg['fmt']} d={cfg['width']} L={cfg['depth']} lr={cfg['lr']:g} seed={cfg['seed']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)  # titles wrapped to fit, then laid out
 
 
 def main(argv: list[str] | None = None) -> None:

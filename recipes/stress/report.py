@@ -266,6 +266,8 @@ def _loss_figure(draw, path: str | Path, ylabel: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gnmr_hf.reporting.plots import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     draw(ax)
     ax.set_xlabel("optimizer step")
@@ -273,9 +275,7 @@ def _loss_figure(draw, path: str | Path, ylabel: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)  # titles wrapped to fit, then laid out
 
 
 def plot(results: list[dict], path: str | Path) -> None:
