@@ -23,6 +23,12 @@ method                  linears on the BF16 path
 ``hybrid-B``            the profiled plan at 3/4 of B on BF16 always, GNMR over the other linears with the
                         remaining 1/4 (gnmr_hf.HybridPolicy)
 ``loftq+prof-op-B``     the profiled plan at B, LoftQ on the linears that stay NF4
+``werr-op-B``           data-free: greedy by weight error per byte, ``||W_bf16 - W_nf4||_F^2 / bytes``
+                        (the planner's ``weight_error`` criterion, profile_dataless.json), fixed
+``out-op-B``            label-free: greedy by output error per byte, ``||(W_nf4 - W_bf16) x||`` on the
+                        profile batches' inputs (the ``output`` criterion), fixed
+``heur-op-B``           a fixed rule of the kind practitioners ship: the down_proj of layers 0-1, then
+                        every layer's v_proj, then the other down_proj in layer order, filling B
 ======================  ==========================================================================================
 
 After training, the adapter's held-out loss (mean per response token over ``--eval-problems``
@@ -73,8 +79,16 @@ TIER1 = ("bf16", "nf4", "prof-op-10", "rand-op-10", "gnmr-op-10", "hybrid-10", "
 # loftq+prof-op-10 leads the second tier: LoftQ alone at 0 bytes closes more than the plan alone
 TIER2 = ("loftq+prof-op-10", "prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25", "hybrid-5", "hybrid-25")
 TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
-METHODS = TIER1 + TIER2 + TIER3
+# the data-free (or label-free) rankings at equal bytes: weight error per byte, output error, a fixed heuristic
+BASELINES = ("werr-op-10", "out-op-10", "heur-op-10")
+METHODS = TIER1 + TIER2 + TIER3 + BASELINES
+# which file holds a kind's scores: profile.json (the product's first-order criterion, from labelled
+# batches) or profile_dataless.json (weight error needs no data; the output error needs inputs, no labels)
+PROFILED = ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
+DATALESS = {"werr-op": "weight_error", "out-op": "output"}
+HEURISTIC_EARLY_LAYERS = 2  # heur-op: down_proj of the first two layers, then every v_proj, then more down_proj
 DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op")  # no fixed set: served on the all-NF4 base
+STATIC = ("prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op", "werr-op", "out-op", "heur-op")  # fixed sets
 OPS_PER_LAYER = 7
 
 
@@ -89,7 +103,7 @@ def parse_method(method: str) -> tuple[str, int]:
         return method, 100
     kind, _, pct = method.rpartition("-")
     if kind not in ("prof-op", "prof-layer", "rand-op", "rand-step", "edge", "gnmr-layer", "gnmr-op", "hybrid",
-                    "loftq+prof-op") or not pct.isdigit() or not 0 < int(pct) < 100:
+                    "loftq+prof-op", "werr-op", "out-op", "heur-op") or not pct.isdigit() or not 0 < int(pct) < 100:
         raise SystemExit(f"unknown method {method!r} (known: {', '.join(METHODS)}, or another budget in %)")
     return kind, int(pct)
 
@@ -105,15 +119,36 @@ def layer_units(layers: list[int], ops: int = OPS_PER_LAYER) -> list[int]:
     return sorted(u for b in layers for u in range(b * ops, (b + 1) * ops))
 
 
-def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] | None, seed: int) -> list[int]:
-    """The fixed set of a static method at ``pct`` % of the bytes."""
+def heuristic_order(names: list[str], early: int = HEURISTIC_EARLY_LAYERS) -> list[int]:
+    """The order a practitioner's fixed rule keeps linears in: the ``down_proj`` of the first ``early``
+    layers, then the attention ``v_proj`` of every layer, then the other layers' ``down_proj`` (layer order).
+    ``names`` are the units' names (``layers.3.mlp.down_proj``); other linears never enter."""
+    import re
+
+    parsed = []
+    for i, name in enumerate(names):
+        m = re.search(r"layers\.(\d+)\..*?(\w+)$", name)
+        if m:
+            parsed.append((int(m.group(1)), m.group(2), i))
+    down = sorted((layer, i) for layer, op, i in parsed if op == "down_proj")
+    v = sorted((layer, i) for layer, op, i in parsed if op == "v_proj")
+    return [i for layer, i in down if layer < early] + [i for _, i in v] + [i for layer, i in down if layer >= early]
+
+
+def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] | None, seed: int,
+               names: list[str] | None = None) -> list[int]:
+    """The fixed set of a static method at ``pct`` % of the bytes (``names``: the units', for ``heur-op``)."""
     from gnmr_hf.planning import greedy_select  # the product's planner: greedy by score per byte
 
     total = sum(unit_bytes)
     budget = total * pct // 100
     U = len(unit_bytes)
-    if kind in ("prof-op", "loftq+prof-op"):
+    if kind in ("prof-op", "loftq+prof-op", "werr-op", "out-op"):
         return greedy_select(scores, unit_bytes, budget)
+    if kind == "heur-op":
+        if names is None or len(names) != U:
+            raise ValueError("heur-op needs the units' names")
+        return greedy_fill(heuristic_order(names), unit_bytes, budget)
     if kind == "hybrid":  # the planned part: 3/4 of the budget
         return greedy_select(scores, unit_bytes, total * pct * 3 // 400)
     L = U // OPS_PER_LAYER
@@ -192,9 +227,15 @@ def profile_path(out_root: Path) -> Path:
     return out_root / "profile.json"
 
 
-def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, Any]:
+def dataless_path(out_root: Path) -> Path:
+    return out_root / "profile_dataless.json"
+
+
+def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool = False) -> dict[str, Any]:
     """Score every linear on the first ``batches`` training batches (the default criterion of
-    :func:`gnmr_hf.profile_sensitivity`) and write ``profile.json`` (atomically)."""
+    :func:`gnmr_hf.profile_sensitivity`) and write ``profile.json`` (atomically); ``dataless``: the
+    baselines' criteria (``weight_error``, no data; ``output``, inputs without labels) into
+    ``profile_dataless.json`` instead, so that the product's profile and its rows never change."""
     import torch
 
     torch.set_num_threads(threads)
@@ -208,6 +249,16 @@ def make_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, An
     from gnmr_hf.planning import DEFAULT_CRITERION
 
     t0 = time.perf_counter()
+    if dataless:
+        prof = gnmr_hf.profile_sensitivity(model, data, criteria=tuple(DATALESS.values()))
+        result = {"criteria": list(DATALESS.values()), "batches": batches,
+                  "seconds": round(time.perf_counter() - t0, 1),
+                  "units": [{"name": u.name, "bytes": int(u.bytes), **{c: float(u.scores[c]) for c in DATALESS.values()}}
+                            for u in prof.units]}
+        tmp = dataless_path(out_root).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, dataless_path(out_root))
+        return result
     prof = gnmr_hf.profile_sensitivity(model, data, criteria=(DEFAULT_CRITERION,))
     seconds = time.perf_counter() - t0
     prof.to_json(out_root / "profile_full.json")
@@ -337,11 +388,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(ub)
     budget = total * pct // 100
     scores = None
-    if kind in ("prof-op", "prof-layer", "hybrid", "loftq+prof-op"):
-        prof = json.loads(profile_path(out_root).read_text())
-        if [u["name"] for u in prof["units"]] != [gnmr_hf.units.short_name(n) for n, _ in units]:
-            raise SystemExit("profile.json names other units than this model's")
-        scores = [u["score"] for u in prof["units"]]
+    names = [gnmr_hf.units.short_name(n) for n, _ in units]
+    if kind in PROFILED or kind in DATALESS:
+        path = profile_path(out_root) if kind in PROFILED else dataless_path(out_root)
+        prof = json.loads(path.read_text())
+        if [u["name"] for u in prof["units"]] != names:
+            raise SystemExit(f"{path.name} names other units than this model's")
+        scores = [u["score" if kind in PROFILED else DATALESS[kind]] for u in prof["units"]]
 
     import finetune
 
@@ -352,9 +405,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         planned = list(range(U))
     elif kind in ("nf4", "loftq"):
         planned = []
-    elif kind in ("prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op"):
-        planned = static_set(kind, pct, ub, scores, args.seed)
-    if kind in ("bf16", "nf4", "loftq", "prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op"):
+    elif kind in STATIC:
+        planned = static_set(kind, pct, ub, scores, args.seed, names)
+    if kind in ("bf16", "nf4", "loftq", *STATIC):
         policy = StaticSetPolicy(U, planned, max_active=max(1, len(planned)), unit_bytes=ub)
     elif kind == "rand-step":
         policy = RandomBytesPolicy(U, ub, budget, seed=1000 + args.seed)
@@ -646,9 +699,12 @@ def bundled_table(out: Path) -> list[str]:
 
 
 def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tuple[str, int]]:
-    """Tier by tier (each tier over every seed), so that an interrupted table is complete column-wise."""
+    """Tier by tier (each tier over every seed), so that an interrupted table is complete column-wise; the
+    methods asked for that no tier names (another budget, say) come last, in the order given."""
     runs = []
-    for tier in (TIER1, TIER2, TIER3):
+    tiers = (TIER1, TIER2, TIER3, BASELINES)
+    others = tuple(m for m in dict.fromkeys(methods) if not any(m in t for t in tiers))
+    for tier in (*tiers, others):
         for s in seeds:
             runs += [(m, s) for m in tier if m in methods]
     return runs
@@ -663,7 +719,11 @@ def _run_dir(out: Path, method: str, seed: int) -> Path:
 def needs_profile(method: str) -> bool:
     if method.startswith("oracle:"):
         return False
-    return parse_method(method)[0] in ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
+    return parse_method(method)[0] in PROFILED
+
+
+def needs_dataless(method: str) -> bool:
+    return not method.startswith("oracle:") and parse_method(method)[0] in DATALESS
 
 
 def plan(args: argparse.Namespace) -> None:
@@ -683,6 +743,11 @@ def plan(args: argparse.Namespace) -> None:
                                [sys.executable, __file__, "profile", "--out", str(out),
                                 "--batches", str(args.profile_batches)],
                                profile_path(out), label="profile"))
+    if any(needs_dataless(m) for m, _ in runs):
+        jobs.append(runner.Job("profile-dataless", out / "profile_dataless_run",
+                               [sys.executable, __file__, "profile", "--out", str(out), "--dataless",
+                                "--batches", str(args.profile_batches)],
+                               dataless_path(out), label="data-free profile"))
     for method, seed in runs:
         run_dir = _run_dir(out, method, seed)
         cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
@@ -691,7 +756,8 @@ def plan(args: argparse.Namespace) -> None:
         if method.startswith("oracle:"):
             cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
         jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
-                               needs=("profile",) if needs_profile(method) else (), label=f"{method} seed {seed}"))
+                               needs=("profile",) if needs_profile(method) else ("profile-dataless",)
+                               if needs_dataless(method) else (), label=f"{method} seed {seed}"))
     runner.run_plan(jobs)
 
 
@@ -848,6 +914,8 @@ def main(argv: list[str] | None = None) -> int:
     pf = sub.add_parser("profile", help="the sensitivity profile the planned methods use")
     pf.add_argument("--out", required=True)
     pf.add_argument("--batches", type=int, default=2)
+    pf.add_argument("--dataless", action="store_true",
+                    help="the baselines' criteria (weight_error, output) into profile_dataless.json")
     rp = sub.add_parser("report", help="the table (and a plot)")
     rp.add_argument("--out", required=True)
     rp.add_argument("--plot", default=None)
@@ -857,7 +925,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "plan":
         plan(args)
     elif args.cmd == "profile":
-        make_profile(Path(args.out), args.batches)
+        make_profile(Path(args.out), args.batches, dataless=args.dataless)
     elif args.cmd == "bundled":
         bundled(args)
     else:

@@ -194,3 +194,49 @@ def test_bundled_table_rows_and_the_check_against_the_table_run(tmp_path):
     rows = qb.bundled_table(tmp_path)
     assert rows == ["| prof-op-10 | merged | - | 35.50 | 1.3002 | 2.0e-04 |",
                     "| prof-op-10 | served | 12.5 | 40.00 | 1.5000 | 2.0e-04 |"]
+
+
+# ------------------------------------------------------------------------------ data-free baselines
+
+def _names(num_layers):
+    ops = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj"]
+    return [f"layers.{b}.{op}" for b in range(num_layers) for op in ops]
+
+
+def test_the_heuristic_keeps_early_down_projections_then_every_v_projection():
+    names = _names(4)  # unit 7 * b + 2 is layer b's v_proj, 7 * b + 6 its down_proj
+    assert qb.heuristic_order(names) == [6, 13, 2, 9, 16, 23, 20, 27]
+    # every unit 10 bytes, down_proj 40: a budget of 100 buys the two early down_proj (80) and two v_proj
+    ub = [40 if n.endswith("down_proj") else 10 for n in names]
+    assert qb.static_set("heur-op", 100 * 100 // sum(ub), ub, None, 0, names) == [2, 6, 9, 13]
+    with pytest.raises(ValueError, match="names"):
+        qb.static_set("heur-op", 10, ub, None, 0)
+
+
+def test_the_data_free_rankings_fill_the_bytes_by_score_per_byte():
+    # four linears: weight error 8, 6, 1, 0.5 over 4, 1, 1, 1 bytes -> per byte 2, 6, 1, 0.5
+    ub, werr = [4, 1, 1, 1], [8.0, 6.0, 1.0, 0.5]
+    # 3 of 7 bytes (pct 42 -> 2 bytes): unit 1 (6 per byte), then unit 2 (1 per byte); unit 0 does not fit
+    assert qb.static_set("werr-op", 42, ub, werr, 0) == [1, 2]
+    assert qb.static_set("out-op", 100 * 6 // 7, ub, werr, 0) == [0, 1]  # 5 bytes: unit 1, then unit 0 (4 bytes)
+    assert qb.needs_dataless("werr-op-10") and qb.needs_dataless("out-op-5") and not qb.needs_dataless("heur-op-10")
+    assert not qb.needs_profile("werr-op-10") and not qb.needs_dataless("prof-op-10")
+
+
+def test_plan_runs_keeps_methods_no_tier_names():
+    runs = qb.plan_runs([0], ("werr-op-25", "nf4", "werr-op-10"))
+    assert runs == [("nf4", 0), ("werr-op-10", 0), ("werr-op-25", 0)]
+
+
+def test_the_data_free_methods_wait_for_their_own_profile(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(qb.runner, "run_plan", lambda jobs: seen.update(jobs=jobs))
+    args = qb.main.__globals__["argparse"].Namespace(
+        seeds="0", methods="nf4,werr-op-10,prof-op-10", oracle_every=0, out=str(tmp_path), workers=1, worker=None,
+        profile_batches=2, steps=3, eval_problems=4, eval_every=0)
+    qb.plan(args)
+    jobs = {j.key: j for j in seen["jobs"]}
+    assert jobs[("werr-op-10", 0)].needs == ("profile-dataless",) and jobs[("prof-op-10", 0)].needs == ("profile",)
+    assert jobs[("nf4", 0)].needs == ()
+    assert "--dataless" in jobs["profile-dataless"].cmd and jobs["profile-dataless"].done == tmp_path / "profile_dataless.json"
