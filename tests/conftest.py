@@ -11,6 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores (.ci/test.sh): one torch thread each
+    torch.set_num_threads(1)
 
 
 def make_tiny_llama(path, num_layers: int = 4, seed: int = 0, hidden: int = 64, vocab_size: int = 128):
@@ -62,3 +64,11 @@ def load_bench(name: str):
     sys.modules[name] = module  # as an import would (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses the real SmolLM2 (``smollm2_dir``: a GGUF conversion on a fresh machine) belongs to
+    the slow tier, whatever its own markers say, so that the fast tier never converts a model."""
+    for item in items:
+        if "smollm2_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

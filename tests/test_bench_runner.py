@@ -98,6 +98,7 @@ def test_a_dead_owners_lock_is_reclaimed(tmp_path):
     assert out.failed == [] and _journal(tmp_path) == ["a"]
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_two_workers_over_one_plan_run_every_job_once(tmp_path):
     jobs = _jobs(tmp_path, [(n, ()) for n in "abcdef"] + [("g", ("a", "f"))])
     worker = tmp_path / "worker.py"

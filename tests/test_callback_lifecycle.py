@@ -145,6 +145,7 @@ def test_evaluation_inside_train_does_not_change_training(tiny2, tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_removed_callback_after_a_crash_trains_like_a_plain_trainer(tiny2, tmp_path):
     """Steps 1..3 run all on the low-cost path (SWITCHY promotes nothing before step 3's decision), the
     forward of step 4 raises with layers on the recovery path; without the callback the next train() must
@@ -273,6 +274,7 @@ def policy_checkpoint(tiny2, out, factory):
     return out / "checkpoint-2"
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_resume_refuses_other_policy_settings(tiny2, tmp_path):
     from gnmr_hf.core.policies import RandomBudgetPolicy, RandomPolicy, StaticSensitivityPolicy
 

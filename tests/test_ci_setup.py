@@ -44,14 +44,16 @@ def test_readme_gives_the_command_ci_runs():
     assert "make test" in commands and "make demo" in commands
     script = (ROOT / ".ci" / "test.sh").read_text()
     pytest_line = [ln for ln in script.splitlines() if ln.startswith("python -m pytest")]
-    assert pytest_line == ['python -m pytest -q "$@"']
-    assert "python -m pytest -q" in readme
+    # two workers by default (GNMR_TEST_WORKERS), the slowest 15 printed, extra arguments passed through
+    assert pytest_line == ['python -m pytest -q "${workers[@]}" --durations=15 "$@"']
+    assert 'workers=(-n "${GNMR_TEST_WORKERS:-2}" --dist loadfile)' in script
+    assert "python -m pytest -q -n 2 --dist loadfile" in readme and "--durations=15" in readme
 
 
 def test_constraints_pin_what_the_dev_extra_needs():
     pins = _pins()
     for name in ("transformers", "peft", "bitsandbytes", "accelerate", "datasets", "lm-eval", "torchao", "trl",
-                 "pytest", "ruff", "hypothesis"):
+                 "pytest", "pytest-xdist", "ruff", "hypothesis"):
         assert name in pins, name
     assert "torch" not in pins  # installed on its own first (the CPU build on disk)
 

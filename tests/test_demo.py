@@ -299,6 +299,7 @@ def test_a_bad_set_ends_the_demo_in_one_line_before_training(tmp_path, monkeypat
     assert err[0].startswith("gnmr-hf demo: error: recipe bf16: lora_init: loftq (set on the command line) needs a 4-bit")
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_a_failing_recipe_prints_no_accelerate_traceback(tmp_path):
     import subprocess
 

@@ -69,3 +69,29 @@ def test_real_gemma3_conversion_loads_as_gemma3_and_predicts_english():
         loss = model(input_ids=ids, labels=ids).loss.item()
     # a random model of this vocabulary scores about ln(262144) = 12.5 nats; real weights far less
     assert math.isfinite(loss) and loss < 5.0, loss  # measured: 3.65
+
+
+def test_concurrent_requests_convert_once(tmp_path, monkeypatch):
+    """Two callers at once (two test workers, two ranks): the second waits on the lock and reuses the folder."""
+    import threading
+    import time
+
+    calls = []
+
+    def convert(alias, spec, target):
+        calls.append(alias)
+        time.sleep(0.3)  # long enough for the other caller to arrive while this one holds the lock
+        target.mkdir(parents=True)
+        (target / gguf_models._DONE_MARKER).write_text("test\n")
+        return target
+
+    monkeypatch.setattr(gguf_models, "_convert", convert)
+    monkeypatch.setattr(gguf_models, "is_installed", lambda alias: True)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(gguf_models.gguf_checkpoint("gemma3-270m", tmp_path / "g")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["gemma3-270m"] and got == [tmp_path / "g"] * 2

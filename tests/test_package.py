@@ -22,6 +22,7 @@ def _modules_after(code: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_import_gnmr_hf_is_light():
     assert _modules_after("import gnmr_hf") == []
     # the controller is pure PyTorch: using it pulls in nothing else
@@ -66,6 +67,7 @@ def _top_level(names: set[str]) -> set[str]:
     return {n.split(".")[0] for n in names}
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_core_imports_no_hugging_face_stack():
     modules = _package_modules("gnmr_hf.core")
     assert {"gnmr_hf.core.controller", "gnmr_hf.core.policies"} <= set(modules)
@@ -259,6 +261,7 @@ def test_package_layers_import_only_what_they_may():
     assert "core" in _gnmr_imports(root / "trainer" / "callback.py")
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_entry_points_quiet_the_import_noise_of_torchao_on_a_cpu():
     # torchao (imported by transformers' loaders) logs its missing CUDA kernels and torch's pytree
     # deprecation notes at import; gnmr-hf and recipes/finetune.py raise those loggers to ERROR

@@ -64,6 +64,7 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_the_planning_package_imports_neither_the_demo_nor_the_recipe_script_by_path():
     files = sorted((ROOT / "gnmr_hf" / "planning").glob("*.py"))
     assert {f.stem for f in files} >= {"criteria", "passes", "profiler", "results", "planner", "budget", "skiplist",

@@ -396,6 +396,7 @@ def test_skip_list_selects_exactly_the_planned_linears(tmp_path):
     assert "model.layers.1.self_attn.v_proj" not in "model.layers.11.self_attn.v_proj"
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_cli_refuses_bad_input_with_one_line(tmp_path):
     def run(*args):
         r = subprocess.run([sys.executable, "-m", "gnmr_hf.cli", "profile", "--output", str(tmp_path / "o"), *args],

@@ -264,6 +264,7 @@ def test_plan_and_measure_plan_refuse_another_model(tmp_path, batches, prof):
 # ------------------------------------------------------------------------------- 10, 11, 13: the CLI
 
 
+@pytest.mark.slow  # a subprocess or a full CLI run: the slow tier
 def test_cli_reports_short_held_out_data_and_writes_no_data_folder(tiny_with_tokenizer, tmp_path, capsys):
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"question": f"what is {i} plus {i} ?", "answer": f"{2 * i} #### {2 * i}"})

@@ -129,7 +129,8 @@ def gguf_checkpoint(alias: str, cache_dir: str | os.PathLike | None = None) -> P
     """Return a folder holding ``alias`` (see ``MODELS``) as a BF16 safetensors checkpoint and tokenizer.
 
     Converted from the package's GGUF on first use (SmolLM2 about 30 s on 2 CPU cores, Gemma 3 270M
-    about a minute), then reused.
+    about a minute), then reused. Processes that ask at the same time (two test workers, two ranks)
+    wait on a lock file beside the folder, and only the first converts.
     """
     spec = _spec(alias)
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir(alias)
@@ -139,6 +140,16 @@ def gguf_checkpoint(alias: str, cache_dir: str | os.PathLike | None = None) -> P
         raise FileNotFoundError(f"{spec.description} is not installed. Install it with: {_install_hint(spec)}")
     require("gguf", f"Reading the {alias} GGUF checkpoint")
     require("transformers", f"Reading the {alias} GGUF checkpoint")
+    from filelock import FileLock  # a dependency of huggingface_hub, so of transformers
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / _DONE_MARKER).is_file():  # converted by the process that held the lock
+            return target
+        return _convert(alias, spec, target)
+
+
+def _convert(alias: str, spec: GGUFModel, target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
