@@ -848,7 +848,8 @@ def plot(runs, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     families = {"profiled operators": "prof-op", "random operators (fixed)": "rand-op", "hybrid": "hybrid"}
-    singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10")
+    singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10",
+               *BASELINES)
     for ax, route in zip(axes, ("served", "merged")):
         for label, kind in families.items():
             xs, ys, lo, hi = [], [], [], []
