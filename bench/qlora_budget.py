@@ -846,7 +846,7 @@ def plot(runs, path: str) -> None:
 
     from gnmr_hf.reporting.plots import save_figure
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14.5, 4.5), sharey=True)
     families = {"profiled operators": "prof-op", "random operators (fixed)": "rand-op", "hybrid": "hybrid"}
     singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10",
                *BASELINES)
@@ -871,7 +871,7 @@ def plot(runs, path: str) -> None:
         ax.axhline(1, color="grey", lw=0.5)
         ax.set_xlabel("extra BF16 bytes, % of the quantised weights")
         ax.set_title(f"gap closed, {route} route (median, range over seeds)")
-        ax.legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # one key, beside the data
     axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
     save_figure(fig, path, dpi=120)  # titles wrapped to fit, then laid out
     print(f"wrote {path}")
