@@ -183,6 +183,7 @@ def test_keys_the_policy_reads_still_pass():
         finetune.validate(finetune.load_config(["--config", str(path)]))
 
 
+@pytest.mark.slow  # reads the real SmolLM2's tokenizer (a GGUF conversion on a fresh machine)
 def test_profile_batches_beyond_the_data_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the data check")
