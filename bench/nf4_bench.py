@@ -43,7 +43,7 @@ Commands::
 
 One torch thread per run (a shared 2-core machine). A finished run has ``result.json``; ``plan`` skips
 it, takes a run by an exclusive lock file (a dead owner's lock is reclaimed) and runs it in a
-subprocess with its log beside the result.
+subprocess with its log beside the result (bench/runner.py, the run loop the resumable benches share).
 """
 
 from __future__ import annotations
