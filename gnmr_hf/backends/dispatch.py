@@ -111,8 +111,11 @@ def prepare_dual_path(
         **kwargs: ``units`` (which modules are the units: the decoder layers by default, ``"linears"``
             for every linear inside them, each its own unit; see :func:`gnmr_hf.units.resolve_units`;
             a string grain is recorded on the model, so the callback and ``set_active_units`` use the
-            same units without being told) and ``dtype`` (the dtype the recovery weights are kept
-            and computed in, default ``torch.bfloat16``).
+            same units without being told), ``dtype`` (the dtype the recovery weights are kept
+            and computed in, default ``torch.bfloat16``) and ``rungs`` (full linear name -> ``"bf16"`` or
+            ``"int8"``: a layer whose recovery path is the INT8 rung, its checkpoint weight quantised row-wise
+            by bitsandbytes and computed by ``Linear8bitLt``, resident; e.g. a precision-ladder plan's rungs;
+            see :mod:`gnmr_hf.backends.recovery`).
 
     Returns:
         ``model``, converted in place.

@@ -58,6 +58,9 @@ from gnmr_hf.backends.base import DORA_REFUSED, DualPathModule
 from gnmr_hf.backends.checkpoint import FLOAT_DTYPES, CheckpointIndex, canonical_name, find_key
 from gnmr_hf.units import UnitSpec, resolve_units, unwrap_model
 
+#: the recovery rungs a layer may have: its checkpoint weight in BF16 (or the recovery dtype), or INT8
+RUNGS = ("bf16", "int8")
+
 STORAGES = ("host", "device", "disk")
 
 MERGE_REFUSED = (
@@ -134,6 +137,12 @@ class RecoveryWeight:
             self.live = None
             self.ready = None
 
+    rung = "bf16"
+
+    def weight_bytes(self, module: nn.Module) -> int:
+        """What ``module``'s recovery weight holds while promoted: its checkpoint weight in the kept dtype."""
+        return module.out_features * module.in_features * torch.finfo(self.dtype).bits // 8
+
     def device_bytes(self, module: nn.Module) -> int:
         """Device bytes of this tensor, counted by one module only (so tied weights count once)."""
         if self.storage == "device":
@@ -141,6 +150,59 @@ class RecoveryWeight:
         if self.live is not None and self.holders and self.holders[0] is module:
             return self.live.numel() * self.live.element_size()
         return 0
+
+
+def int8_linear(weight: torch.Tensor, threshold: float = 6.0) -> nn.Module:
+    """A stock bitsandbytes ``Linear8bitLt`` over ``weight`` (LLM.int8, row-wise, ``has_fp16_weights=False``,
+    no bias), quantised as transformers' ``load_in_8bit`` quantises a checkpoint weight (via FP16), in eval mode
+    (as a loaded model starts; bitsandbytes' int8 matmul differs between the modes)."""
+    import bitsandbytes as bnb
+
+    out_f, in_f = weight.shape
+    m = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=threshold)
+    m.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).cpu(), requires_grad=False, has_fp16_weights=False)
+    return m.to(weight.device).eval()
+
+
+class Int8RecoveryWeight:
+    """The INT8 rung of a recovery path: the checkpoint weight quantised row-wise by bitsandbytes
+    (:func:`int8_linear`), resident on the layer's device (its price is what it holds: ``n`` int8 weights and
+    one FP32 scale per output row, what ``Linear8bitLt`` stores), computed as ``Linear8bitLt`` computes it.
+    Same interface as :class:`RecoveryWeight`; ``storage`` is always ``"device"``."""
+
+    storage = "device"
+    dtype = torch.int8
+    rung = "int8"
+    stored = None  # no floating-point copy: the rung holds only what Linear8bitLt holds
+
+    def __init__(self, key: str, weight: torch.Tensor, threshold: float = 6.0):
+        self.key = key
+        self.module = int8_linear(weight, threshold)
+        w = self.module.weight  # int8 weights and one FP32 scale a row (the first forward moves both into
+        self._bytes = w.numel() * w.element_size() + w.SCB.numel() * w.SCB.element_size()  # module.state)
+        self.holders: list[nn.Module] = []
+        self.owners: list[nn.Module] = []
+
+    def acquire(self, module: nn.Module, device: torch.device) -> tuple[nn.Module, Any]:
+        if module not in self.holders:
+            self.holders.append(module)
+        if self.module.weight.device != device:
+            self.module = self.module.to(device)
+        return self.module, None
+
+    def release(self, module: nn.Module) -> None:
+        if module in self.holders:
+            self.holders.remove(module)
+
+    def stored_bytes(self) -> int:
+        return self._bytes
+
+    def device_bytes(self, module: nn.Module) -> int:
+        return self.stored_bytes() if self.owners and self.owners[0] is module else 0
+
+    def weight_bytes(self, module: nn.Module) -> int:
+        """What this rung holds for ``module`` while promoted (and, resident, always)."""
+        return self.stored_bytes()
 
 
 class CheckpointRecovery(DualPathModule):
@@ -215,6 +277,9 @@ class CheckpointRecovery(DualPathModule):
         if not self.recovery:
             return super().forward(x, *args, **kwargs)
         w = self._gnmr_weight
+        if isinstance(w, nn.Module):  # the INT8 rung: bitsandbytes' Linear8bitLt over the checkpoint weight
+            out = w(x)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         if self._gnmr_ready is not None:
             # the promotion copy ran on the side stream: order the compute stream after it, and tell
             # the caching allocator the compute stream uses the block, so freeing it on demotion waits
@@ -237,7 +302,10 @@ class CheckpointRecovery(DualPathModule):
         device = self.weight.device
         src = self._gnmr_source
         # recovery weights are plain attributes (kept out of state_dict/DDP): follow the module's device
-        if src.storage == "device" and src.stored is not None and src.stored.device != device:
+        if isinstance(src, Int8RecoveryWeight):
+            if src.module.weight.device != device:
+                src.module = src.module.to(device)
+        elif src.storage == "device" and src.stored is not None and src.stored.device != device:
             src.stored = src.stored.to(device)
         if self.recovery and self._gnmr_weight is not None and self._gnmr_weight.device != device:
             src.release(self)
@@ -255,8 +323,8 @@ class CheckpointRecovery(DualPathModule):
 
     def extra_repr(self) -> str:
         return (
-            f"{super().extra_repr()}, recovery={self.recovery}, storage={self._gnmr_source.storage}, "
-            f"recovery_key={self._gnmr_source.key!r}"
+            f"{super().extra_repr()}, recovery={self.recovery}, rung={self._gnmr_source.rung}, "
+            f"storage={self._gnmr_source.storage}, recovery_key={self._gnmr_source.key!r}"
         )
 
 
@@ -278,6 +346,8 @@ def attach_recovery(
     units: UnitSpec = None,
     dtype: torch.dtype = torch.bfloat16,
     check_source: bool = True,
+    rungs: dict[str, str] | None = None,
+    int8_threshold: float = 6.0,
 ) -> nn.Module:
     """Convert every module of ``dual_type``'s quantised layer class inside the units into ``dual_type``,
     reading its weight from ``recovery_source``. Every check runs before any module is changed.
@@ -292,6 +362,10 @@ def attach_recovery(
         dtype: the floating-point dtype the recovery weights are kept and computed in.
         check_source: compare every layer's de-quantised low-cost weight with its recovery tensor and
             refuse a checkpoint the model was not loaded from (see the module docstring); False skips it.
+        rungs: full linear name (``model.layers.0.self_attn.v_proj``) -> ``"bf16"`` (the default for every
+            layer) or ``"int8"``: that layer's recovery path is the INT8 rung (:class:`Int8RecoveryWeight`,
+            resident, whatever ``storage`` says), e.g. the ``rungs`` of a precision-ladder plan.
+        int8_threshold: ``Linear8bitLt``'s outlier threshold for the INT8 rungs (transformers' default 6.0).
 
     Raises:
         ValueError: unknown ``storage`` or ``dtype``; no ``X`` in the model or in the units; a recovery
@@ -331,22 +405,34 @@ def attach_recovery(
             f"no bitsandbytes {layer_type.__name__} module inside the units: nothing to give a recovery path "
             "(were the decoder layers skipped by llm_int8_skip_modules?)"
         )
+    rungs = dict(rungs or {})
+    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
+    if bad:
+        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
+    unknown = sorted(set(rungs) - {name for _, name, _ in plan})
+    if unknown:
+        raise ValueError(f"{len(unknown)} rung name(s) are not quantised linears inside the units, e.g. {unknown[0]!r}")
+    int8_keys = {key for _, name, key in plan if rungs.get(name) == "int8"}
     planned = {id(m) for m, _, _ in plan}
     for name, m in model.named_modules():  # a model wrapped by PEFT before prepare: DoRA cannot run over it
         if getattr(m, "lora_magnitude_vector", None) and id(m.get_base_layer()) in planned:
             raise ValueError(DORA_REFUSED.format(name=name))
 
-    sources: dict[str, RecoveryWeight] = {}
+    sources: dict[str, RecoveryWeight | Int8RecoveryWeight] = {}
     for _m, _name, key in plan:
         if key not in sources:
             sources[key] = RecoveryWeight(index, key, storage, dtype)
-    tensors = index.read_many(sources, dtype) if storage != "disk" else {}
+    tensors = index.read_many(sources, dtype) if storage != "disk" else index.read_many(int8_keys, dtype)
     if check_source:
         check_recovery_source(plan, index, dual_type, tensors)
+    devices = {key: m.weight.device for m, _, key in plan}
+    for key in int8_keys:  # the INT8 rungs: quantised once from the checkpoint weight, resident
+        sources[key] = Int8RecoveryWeight(key, tensors.pop(key).to(devices[key]), int8_threshold)
     if storage != "disk":
         pin = storage == "host" and torch.cuda.is_available()
-        devices = {key: m.weight.device for m, _, key in plan}
         for key, src in sources.items():
+            if key in int8_keys:
+                continue
             t = tensors.pop(key)
             if storage == "host":
                 src.stored = t.pin_memory() if pin else t

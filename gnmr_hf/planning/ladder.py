@@ -51,15 +51,11 @@ def rung_prices(numel: int, rows: int, low: str = "nf4", double_quant: bool = Fa
 
 
 def _int8_module(weight, threshold: float = 6.0):
-    """A stock ``Linear8bitLt`` over ``weight`` (row-wise INT8, as transformers' ``load_in_8bit`` builds it)."""
-    import bitsandbytes as bnb
-    import torch
+    """A stock ``Linear8bitLt`` over ``weight`` (row-wise INT8, as transformers' ``load_in_8bit`` builds it;
+    the dual path's INT8 rung builds the same, gnmr_hf.backends.recovery.int8_linear)."""
+    from gnmr_hf.backends.recovery import int8_linear
 
-    out_f, in_f = weight.shape
-    m = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=threshold)
-    m.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).cpu(), requires_grad=False, has_fp16_weights=False)
-    # eval mode, as a from_pretrained model starts (bitsandbytes' int8 matmul differs between the modes)
-    return m.to(weight.device).eval()
+    return int8_linear(weight, threshold)
 
 
 def _checkpoint_weights(model_path: str | os.PathLike, names: list[str]) -> dict[str, Any]:

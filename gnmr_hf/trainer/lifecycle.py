@@ -14,8 +14,6 @@ import os
 import warnings
 from typing import Any
 
-import torch
-
 from gnmr_hf.backends.base import dual_path_modules, recoverable_units, set_active_units
 from gnmr_hf.core.controller import GNMRConfig, GNMRController, init_steps_from_fraction
 from gnmr_hf.trainer import wiring
@@ -79,14 +77,14 @@ def find_units(cb: Any, args: Any, trainer: Any, model: Any) -> None:
 
 def unit_bytes(units: list) -> list[int]:
     """Each unit's recovery bytes: the checkpoint weights its dual-path layers hold while promoted, in the
-    dtype they are kept in; 0 for a unit whose dual-path layers hold no weight (activation quantisation, MX)."""
+    dtype they are kept in (an INT8 rung: its int8 weights and row scales); 0 for a unit whose dual-path layers hold no weight (activation quantisation, MX)."""
     out = []
     for _, unit in units:
         total = 0
         for m in dual_path_modules(unit):
             source = getattr(m, "_gnmr_source", None)
-            if source is not None:
-                total += m.out_features * m.in_features * torch.finfo(source.dtype).bits // 8
+            if source is not None:  # the checkpoint weight in its kept dtype, or the INT8 rung's int8 + scales
+                total += source.weight_bytes(m)
         out.append(total)
     return out
 
