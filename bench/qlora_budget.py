@@ -102,8 +102,7 @@ def parse_method(method: str) -> tuple[str, int]:
     if method == "bf16":
         return method, 100
     kind, _, pct = method.rpartition("-")
-    if kind not in ("prof-op", "prof-layer", "rand-op", "rand-step", "edge", "gnmr-layer", "gnmr-op", "hybrid",
-                    "loftq+prof-op", "werr-op", "out-op", "heur-op") or not pct.isdigit() or not 0 < int(pct) < 100:
+    if kind not in (*STATIC, *DYNAMIC, "hybrid") or not pct.isdigit() or not 0 < int(pct) < 100:
         raise SystemExit(f"unknown method {method!r} (known: {', '.join(METHODS)}, or another budget in %)")
     return kind, int(pct)
 

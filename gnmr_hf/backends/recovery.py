@@ -58,8 +58,16 @@ from gnmr_hf.backends.base import DORA_REFUSED, DualPathModule
 from gnmr_hf.backends.checkpoint import FLOAT_DTYPES, CheckpointIndex, canonical_name, find_key
 from gnmr_hf.units import UnitSpec, resolve_units, unwrap_model
 
-#: the recovery rungs a layer may have: its checkpoint weight in BF16 (or the recovery dtype), or INT8
-RUNGS = ("bf16", "int8")
+#: the rungs a quantised linear may be kept on, cheapest first: INT8 (the checkpoint weight quantised row-wise by
+#: bitsandbytes) or its checkpoint weight in BF16 (or the recovery dtype); the precision ladder plans over these
+RUNGS = ("int8", "bf16")
+
+
+def check_rungs(rungs: dict[str, str]) -> None:
+    """Raise ``ValueError`` naming every entry of ``rungs`` (linear name -> rung) that is not one of :data:`RUNGS`."""
+    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
+    if bad:
+        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
 
 STORAGES = ("host", "device", "disk")
 
@@ -406,9 +414,7 @@ def attach_recovery(
             "(were the decoder layers skipped by llm_int8_skip_modules?)"
         )
     rungs = dict(rungs or {})
-    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
-    if bad:
-        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
+    check_rungs(rungs)
     unknown = sorted(set(rungs) - {name for _, name, _ in plan})
     if unknown:
         raise ValueError(f"{len(unknown)} rung name(s) are not quantised linears inside the units, e.g. {unknown[0]!r}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RUNGS = ("int8", "bf16")
+from gnmr_hf.backends.recovery import RUNGS, check_rungs, int8_linear
 
 
 @dataclass
@@ -48,14 +48,6 @@ def rung_prices(numel: int, rows: int, low: str = "nf4", double_quant: bool = Fa
 
     base = weight_bytes(numel, rows, low, double_quant=double_quant).total
     return {r: weight_bytes(numel, rows, r).total - base for r in RUNGS}
-
-
-def _int8_module(weight, threshold: float = 6.0):
-    """A stock ``Linear8bitLt`` over ``weight`` (row-wise INT8, as transformers' ``load_in_8bit`` builds it;
-    the dual path's INT8 rung builds the same, gnmr_hf.backends.recovery.int8_linear)."""
-    from gnmr_hf.backends.recovery import int8_linear
-
-    return int8_linear(weight, threshold)
 
 
 def _checkpoint_weights(model_path: str | os.PathLike, names: list[str]) -> dict[str, Any]:
@@ -97,7 +89,7 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
         raise ValueError("rung_gains needs a bitsandbytes-quantised model: no 4-bit/8-bit linear in its decoder layers")
     weights = _checkpoint_weights(model_path, names)
     modules = dict(model.named_modules())
-    int8 = {n: _int8_module(weights[n].to(torch.float32), int8_threshold) for n in names}
+    int8 = {n: int8_linear(weights[n].to(torch.float32), int8_threshold) for n in names}
     units = [LadderUnit(n, weights[n].numel(), weights[n].shape[0],
                         prices=rung_prices(weights[n].numel(), weights[n].shape[0], low, double_quant))
              for n in names]
@@ -215,9 +207,7 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
 
     if not isinstance(rungs, dict):
         rungs = json.loads(Path(rungs).read_text())["rungs"]
-    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
-    if bad:
-        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
+    check_rungs(rungs)
     dtype = dtype or torch.bfloat16
     skip = ["lm_head"] + sorted(rungs)
     if low == "int8":
@@ -236,7 +226,7 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
             continue
         parent_name, _, child = name.rpartition(".")
         old = modules[name]
-        new = _int8_module(weights[name].to(torch.float32), int8_threshold).train(old.training)
+        new = int8_linear(weights[name].to(torch.float32), int8_threshold).train(old.training)
         if old.bias is not None:
             new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         setattr(modules[parent_name], child, new)
