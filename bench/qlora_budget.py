@@ -29,13 +29,25 @@ method                  linears on the BF16 path
                         profile batches' inputs (the ``output`` criterion), fixed
 ``heur-op-B``           a fixed rule of the kind practitioners ship: the down_proj of layers 0-1, then
                         every layer's v_proj, then the other down_proj in layer order, filling B
+``lad-M``               the precision ladder (gnmr_hf.planning.ladder): each linear on NF4, INT8 or BF16, chosen
+                        by the first-order gain of each rung per byte (``rung_gains``, a multiple-choice
+                        knapsack, ``choose_rungs``) under a budget of **M % memory over the NF4 model** (weights
+                        and quant states as bitsandbytes stores them, profile_ladder.json); trained on the dual
+                        path with those rungs (``prepare_dual_path(..., rungs=...)``), fixed
+``lad-int8-M``          the same knapsack with the INT8 rung only
+``lad-bf16-M``          the same knapsack with the BF16 rung only (today's plan, priced in memory over NF4)
 ======================  ==========================================================================================
+
+Two currencies: ``-B`` is a share of the quantised weights' BF16 bytes (the first methods); ``-M`` (the
+ladder's) is memory over the whole NF4 model, what a user compares against (+10 % BF16 bytes is about
++16 % memory over NF4 on SmolLM2). Every result records ``memory_over_nf4`` and the run's peak RSS.
 
 After training, the adapter's held-out loss (mean per response token over ``--eval-problems``
 generated test problems, disjoint from the training problems) is measured on two bases:
 
 - ``served``: the base it trained on, as a user serves it: for a fixed set, NF4 plus that set in BF16
-  (what ``llm_int8_skip_modules`` gives with stock transformers); for ``hybrid``, NF4 plus its planned
+  (what ``llm_int8_skip_modules`` gives with stock transformers; a ladder plan's INT8 rungs computed by
+  ``Linear8bitLt``, what ``gnmr_hf.load_planned`` loads); for ``hybrid``, NF4 plus its planned
   set (GNMR's transient part is gone at serving); for the dynamic methods the all-NF4 base;
 - ``merged``: the original BF16 base (the adapter merged into, or served on, the original weights).
 
@@ -81,7 +93,10 @@ TIER2 = ("loftq+prof-op-10", "prof-op-5", "prof-op-25", "rand-op-5", "rand-op-25
 TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
 # the data-free (or label-free) rankings at equal bytes: weight error per byte, output error, a fixed heuristic
 BASELINES = ("werr-op-10", "out-op-10", "heur-op-10")
-METHODS = TIER1 + TIER2 + TIER3 + BASELINES
+# the precision ladder at equal memory over NF4: the ladder, INT8 only, BF16 only (10 % first)
+LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",)}
+LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER)
+METHODS = TIER1 + TIER2 + TIER3 + BASELINES + LADDER_METHODS
 # which file holds a kind's scores: profile.json (the product's first-order criterion, from labelled
 # batches) or profile_dataless.json (weight error needs no data; the output error needs inputs, no labels)
 PROFILED = ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
@@ -102,7 +117,7 @@ def parse_method(method: str) -> tuple[str, int]:
     if method == "bf16":
         return method, 100
     kind, _, pct = method.rpartition("-")
-    if kind not in (*STATIC, *DYNAMIC, "hybrid") or not pct.isdigit() or not 0 < int(pct) < 100:
+    if kind not in (*STATIC, *DYNAMIC, "hybrid", *LADDER) or not pct.isdigit() or not 0 < int(pct) < 100:
         raise SystemExit(f"unknown method {method!r} (known: {', '.join(METHODS)}, or another budget in %)")
     return kind, int(pct)
 
@@ -163,6 +178,15 @@ def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] |
         random.Random(1000 + seed).shuffle(order)
         return greedy_fill(order, unit_bytes, budget)
     raise ValueError(f"{kind} has no fixed set")
+
+
+def ladder_plan(kind: str, pct: int, prof: dict[str, Any]) -> dict[str, str]:
+    """A ladder method's ``{linear: rung}`` from profile_ladder.json at ``pct`` % memory over the NF4 model."""
+    from gnmr_hf.planning.ladder import LadderUnit, choose_rungs
+
+    units = [LadderUnit(u["name"], u["numel"], u["rows"], dict(u["gains"]), {r: int(b) for r, b in u["prices"].items()})
+             for u in prof["units"]]
+    return choose_rungs(units, prof["nf4_model_bytes"] * pct // 100, LADDER[kind])
 
 
 def served_units(kind: str, planned: list[int]) -> list[int]:
@@ -230,6 +254,48 @@ def dataless_path(out_root: Path) -> Path:
     return out_root / "profile_dataless.json"
 
 
+def ladder_path(out_root: Path) -> Path:
+    return out_root / "profile_ladder.json"
+
+
+def make_ladder_profile(out_root: Path, batches: int, threads: int = 1) -> dict[str, Any]:
+    """Every decoder linear's first-order gain on each rung (``gnmr_hf.planning.ladder.rung_gains``) on the
+    same first ``batches`` training batches as profile.json, at the all-NF4 point of the stock-loaded model
+    (LoRA starts at zero, so it is the runs' starting point), with each rung's price over NF4 and the NF4
+    model's bytes as a stock load in BF16 holds them; written atomically to profile_ladder.json."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import gnmr_hf.memory
+    from gnmr_hf.planning import ladder
+
+    model, tokenizer, recipe, model_path = build(out_root / "profile_ladder_run", seed=0, steps=1,
+                                                 data_dir=out_root / "data")
+    del model
+    train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_ladder_run")
+    collate = _collator(tokenizer)
+    bs = recipe.training.per_device_train_batch_size
+    data = [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
+    t0 = time.perf_counter()
+    stock = ladder._stock_low(model_path, "nf4", torch.float32)  # FP32 compute, as the runs; reference layout
+    units = ladder.rung_gains(stock, model_path, data)
+    l_low = ladder._loss(stock, data)
+    del stock
+    with torch.device("meta"):  # shapes only
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    nf4 = gnmr_hf.memory.predict_model_bytes(meta, [u.name for u in units], "nf4")["total"]
+    result = {"batches": batches, "seconds": round(time.perf_counter() - t0, 1), "loss_low": l_low,
+              "nf4_model_bytes": nf4, "rungs": list(ladder.RUNGS),
+              "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
+                        for u in units]}
+    tmp = ladder_path(out_root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, ladder_path(out_root))
+    return result
+
+
 def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool = False) -> dict[str, Any]:
     """Score every linear on the first ``batches`` training batches (the default criterion of
     :func:`gnmr_hf.profile_sensitivity`) and write ``profile.json`` (atomically); ``dataless``: the
@@ -275,8 +341,10 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
 # -------------------------------------------------------------------------------------------- one run
 
 
-def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32"):
-    """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear."""
+def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
+          rungs: dict[str, str] | None = None):
+    """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear (``rungs``: the named
+    linears' recovery path on that rung instead, ``prepare_dual_path``'s argument)."""
     sys.path.insert(0, str(ROOT / "recipes"))
     import finetune
     import torch
@@ -294,7 +362,7 @@ def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str =
         tokenizer.pad_token = tokenizer.eos_token
     model = finetune.load_model(recipe, model_path)  # NF4 + LoRA (PEFT), bitsandbytes' reference layout
     gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage="host", units="linears",
-                              dtype=getattr(torch, compute_dtype))
+                              dtype=getattr(torch, compute_dtype), rungs=rungs)
     return model, tokenizer, recipe, model_path
 
 
@@ -327,23 +395,42 @@ def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def served_weight_bytes(model, units, served_set: list[int]) -> dict[str, Any]:
-    """What the served model's weights take (gnmr_hf.memory: as a stock bitsandbytes NF4 load holds
-    them, quant states included) with the served set on BF16, and all-NF4, so that a row's price
-    reads as memory over the NF4 model."""
+def _meta_model(model):
+    """The plain transformers model of ``model``'s config on the meta device (shapes only)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    import gnmr_hf.memory
     from gnmr_hf.units import unwrap_model
 
-    with torch.device("meta"):  # shapes only
-        meta = AutoModelForCausalLM.from_config(unwrap_model(model).config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(unwrap_model(model).config)
+
+
+def _plain_names(meta, units) -> list[str]:
+    """Every unit's linear as named in the plain transformers model ``meta``."""
+    import torch
+
     linears = {n for n, m in meta.named_modules() if isinstance(m, torch.nn.Linear)}
-    names = [_plain_name(n, linears) for n, _ in units]
+    return [_plain_name(n, linears) for n, _ in units]
+
+
+def served_weight_bytes(model, units, served_set: list[int], rungs: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the served model's weights take (gnmr_hf.memory: as a stock bitsandbytes NF4 load holds
+    them, quant states included) with the served set on BF16 (``rungs``: plain linear name -> rung, for
+    a ladder plan's INT8 rungs), and all-NF4, so that a row's price reads as memory over the NF4 model."""
+    import gnmr_hf.memory
+
+    meta = _meta_model(model)
+    names = _plain_names(meta, units)
     kept = {names[u] for u in served_set}
     nf4 = gnmr_hf.memory.predict_model_bytes(meta, names, "nf4")["total"]
     served = gnmr_hf.memory.predict_model_bytes(meta, [n for n in names if n not in kept], "nf4")["total"]
+    modules = dict(meta.named_modules())
+    for name, rung in (rungs or {}).items():
+        if rung != "bf16":  # a kept linear on INT8: its INT8 bytes, not its BF16 ones
+            w = modules[name].weight
+            served -= (gnmr_hf.memory.extra_bytes_over_low(w.numel(), w.shape[0], "nf4")
+                       - gnmr_hf.memory.extra_bytes_over_low(w.numel(), w.shape[0], "nf4", high=rung))
     return {"served_weight_bytes": served, "nf4_weight_bytes": nf4, "memory_over_nf4": served / nf4 - 1}
 
 
@@ -380,7 +467,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     out_root = Path(args.root) if getattr(args, "root", None) else out.parent.parent  # profile.json, data/
     data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
-    model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir)
+    rungs = ladder_plan(kind, pct, json.loads(ladder_path(out_root).read_text())) if kind in LADDER else None
+    model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir, rungs=rungs)
     units = resolve_units(model)  # the linears (recorded by prepare_dual_path)
     U = len(units)
     ub = unit_bytes_of(units)
@@ -406,7 +494,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         planned = []
     elif kind in STATIC:
         planned = static_set(kind, pct, ub, scores, args.seed, names)
-    if kind in ("bf16", "nf4", "loftq", *STATIC):
+    elif kind in LADDER:  # the linears the plan keeps off NF4, each on its rung (set by build)
+        plain = _plain_names(_meta_model(model), units)
+        planned = [i for i, n in enumerate(plain) if n in rungs]
+        if len(planned) != len(rungs):
+            raise SystemExit("profile_ladder.json names linears this model's units do not hold")
+    if kind in ("bf16", "nf4", "loftq", *STATIC, *LADDER):
         policy = StaticSetPolicy(U, planned, max_active=max(1, len(planned)), unit_bytes=ub)
     elif kind == "rand-step":
         policy = RandomBytesPolicy(U, ub, budget, seed=1000 + args.seed)
@@ -460,13 +553,25 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
              / "test.jsonl").read_text().splitlines()][:args.eval_problems]
     curve: list[dict[str, Any]] = []
 
+    int8_rungs = {n: r for n, r in (rungs or {}).items() if r == "int8"}
+
+    def recovery_rungs(on: dict[str, str] | None) -> None:
+        """The recovery paths on ``on``'s rungs (None: every linear on BF16), prepare_dual_path again."""
+        gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage="host", units="linears",
+                                  dtype=torch.float32, rungs=on)
+
     def both_routes() -> tuple[float, float]:
-        """Held-out loss served (the run's fixed set) and merged (all BF16); restores the active set."""
+        """Held-out loss served (the run's fixed set, on its rungs) and merged (all BF16); restores the
+        active set (and a ladder plan's INT8 rungs)."""
         was_training, before = model.training, active_units(model, units)
         set_active_units(model, served_units(kind, planned), units)
         served = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        if int8_rungs:
+            recovery_rungs(None)
         set_active_units(model, list(range(U)), units)
         merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        if int8_rungs:
+            recovery_rungs(rungs)
         set_active_units(model, before, units)
         model.train(was_training)
         return served, merged
@@ -505,7 +610,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     curve.append({"step": args.steps, "heldout_loss_served": loss_served, "heldout_loss_merged": loss_merged,
                   "peak_rss_bytes": _peak_rss()})
     set_active_units(model, [], units)
-    weights = served_weight_bytes(model, units, served_set)
+    weights = served_weight_bytes(model, units, served_set, rungs)
     if getattr(args, "save_adapter", None):
         model.save_pretrained(args.save_adapter)  # the LoRA adapter alone (plain PEFT files)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -521,7 +626,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "active_per_step": active_per_step, "peak_recovery_bytes": max(recovery_bytes),
         "step_s_median": statistics.median(step_times), "step_s": step_times, "train_wall_s": round(train_s, 1),
         "loftq_s": round(loftq_s, 1), "summary": json.loads((out / "gnmr_summary.json").read_text()),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "rungs": rungs,
+        "int8_linears": sum(r == "int8" for r in (rungs or {}).values()),
+        "bf16_linears": sum(r == "bf16" for r in (rungs or {}).values()) if rungs is not None else len(served_set),
         "curve": curve, "eval_every": eval_every, "peak_rss_bytes": _peak_rss(),
         "trained_model_bytes": gnmr_hf.memory.model_bytes(model)["total"] + recovery_device_bytes(model),
         **weights,
@@ -535,8 +642,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, out / "result.json")
     print(f"{args.method} seed {args.seed}: held-out loss served {loss_served:.4f}, merged {loss_merged:.4f}, "
-          f"mean BF16 bytes {result['mean_active_bytes'] / total:.3f} of the quantised weights, "
-          f"step {result['step_s_median']:.2f} s")
+          f"served weights +{100 * weights['memory_over_nf4']:.1f} % over NF4, peak RSS "
+          f"{result['peak_rss_bytes'] / 2**30:.2f} GiB, step {result['step_s_median']:.2f} s")
     return result
 
 
@@ -701,7 +808,7 @@ def plan_runs(seeds: list[int], methods: tuple[str, ...] = METHODS) -> list[tupl
     """Tier by tier (each tier over every seed), so that an interrupted table is complete column-wise; the
     methods asked for that no tier names (another budget, say) come last, in the order given."""
     runs = []
-    tiers = (TIER1, TIER2, TIER3, BASELINES)
+    tiers = (TIER1, TIER2, TIER3, BASELINES, LADDER_METHODS)
     others = tuple(m for m in dict.fromkeys(methods) if not any(m in t for t in tiers))
     for tier in (*tiers, others):
         for s in seeds:
@@ -723,6 +830,16 @@ def needs_profile(method: str) -> bool:
 
 def needs_dataless(method: str) -> bool:
     return not method.startswith("oracle:") and parse_method(method)[0] in DATALESS
+
+
+def needs_ladder(method: str) -> bool:
+    return not method.startswith("oracle:") and parse_method(method)[0] in LADDER
+
+
+def profile_needs(method: str) -> tuple[str, ...]:
+    """The profile job a run waits for (none for the references, random sets and triggers)."""
+    return (("profile",) if needs_profile(method) else ("profile-dataless",) if needs_dataless(method)
+            else ("profile-ladder",) if needs_ladder(method) else ())
 
 
 def plan(args: argparse.Namespace) -> None:
@@ -747,6 +864,11 @@ def plan(args: argparse.Namespace) -> None:
                                [sys.executable, __file__, "profile", "--out", str(out), "--dataless",
                                 "--batches", str(args.profile_batches)],
                                dataless_path(out), label="data-free profile"))
+    if any(needs_ladder(m) for m, _ in runs):
+        jobs.append(runner.Job("profile-ladder", out / "profile_ladder_run",
+                               [sys.executable, __file__, "profile", "--out", str(out), "--ladder",
+                                "--batches", str(args.profile_batches)],
+                               ladder_path(out), label="ladder profile"))
     for method, seed in runs:
         run_dir = _run_dir(out, method, seed)
         cmd = [sys.executable, __file__, "run", "--method", method.removeprefix("oracle:"), "--seed", str(seed),
@@ -755,8 +877,7 @@ def plan(args: argparse.Namespace) -> None:
         if method.startswith("oracle:"):
             cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
         jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
-                               needs=("profile",) if needs_profile(method) else ("profile-dataless",)
-                               if needs_dataless(method) else (), label=f"{method} seed {seed}"))
+                               needs=profile_needs(method), label=f"{method} seed {seed}"))
     runner.run_plan(jobs)
 
 
@@ -916,6 +1037,8 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--batches", type=int, default=2)
     pf.add_argument("--dataless", action="store_true",
                     help="the baselines' criteria (weight_error, output) into profile_dataless.json")
+    pf.add_argument("--ladder", action="store_true",
+                    help="every linear's gain and price per rung (the ladder methods) into profile_ladder.json")
     rp = sub.add_parser("report", help="the table (and a plot)")
     rp.add_argument("--out", required=True)
     rp.add_argument("--plot", default=None)
@@ -924,6 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
         run_one(args)
     elif args.cmd == "plan":
         plan(args)
+    elif args.cmd == "profile" and args.ladder:
+        make_ladder_profile(Path(args.out), args.batches)
     elif args.cmd == "profile":
         make_profile(Path(args.out), args.batches, dataless=args.dataless)
     elif args.cmd == "bundled":

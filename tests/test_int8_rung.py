@@ -133,3 +133,23 @@ def test_a_trainer_run_on_planned_int8_and_bf16_rungs(tiny_llama_dir, ids, tmp_p
     assert any("layers.0.self_attn.v_proj" in k for k in moved)  # the adapter over the INT8 rung trained
     trace = [json.loads(line) for line in (tmp_path / "gnmr_trace.jsonl").read_text().splitlines()]
     assert all(sorted(t["active"]) == planned for t in trace)
+
+
+def test_a_promoted_int8_rung_adds_no_module_and_no_state_dict_key(tiny_llama_dir):
+    """The rung's Linear8bitLt is a plain attribute of the layer: promoted or not, the model's modules and
+    state_dict are the same, and preparing the model again (every rung back on BF16) sees only the layers."""
+    dual = _dual(tiny_llama_dir, {V: "int8"})
+    keys, mods = set(dual.state_dict()), {n for n, _ in dual.named_modules()}
+    i = _unit_index(dual, V)
+    gnmr_hf.set_active_units(dual, [i])
+    m = dict(dual.named_modules())[V]
+    assert m.recovery and isinstance(m._gnmr_weight, bnb.nn.Linear8bitLt)  # promoted, on the INT8 rung
+    assert set(dual.state_dict()) == keys
+    assert {n for n, _ in dual.named_modules()} == mods
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
+    on_int8 = m(x)
+    gnmr_hf.prepare_dual_path(dual, recovery_source=tiny_llama_dir, units="linears", dtype=torch.float32)
+    assert "rung=bf16" in repr(m) and not m.recovery
+    m.set_recovery(True)
+    w = dict(load(tiny_llama_dir, None).named_modules())[V].weight.float()
+    assert torch.allclose(m(x), x @ w.T, atol=1e-5) and not torch.equal(m(x), on_int8)

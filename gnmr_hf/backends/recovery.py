@@ -322,6 +322,12 @@ class CheckpointRecovery(DualPathModule):
         return out
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_gnmr_weight":
+            # a plain attribute, never a registered child: the INT8 rung's Linear8bitLt would otherwise join
+            # the model's modules and state_dict while promoted (and be taken for a quantised layer itself)
+            self._modules.pop(name, None)
+            object.__setattr__(self, name, value)
+            return
         # PEFT's merge (and unmerge) writes a new quantised weight into the base layer: refused, since the
         # recovery path would keep the original weight without the LoRA delta. A parameter over the same
         # storage (PEFT's dequantize_module_weight re-assigns `weight.to(device)` on CPU) changes nothing.
