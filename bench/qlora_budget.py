@@ -952,10 +952,102 @@ def report(args: argparse.Namespace) -> str:
                   "how far it is from the table's run of the same seed (merged route).", "",
                   "| method | route | GSM8K EM (%) | WikiText word PPL | held-out loss | vs table run |",
                   "|---|---|---|---|---|---|", *bundled_rows]
+    ladder_rows = ladder_table(out, runs)
+    if ladder_rows:
+        lines += ["", "Precision ladder at equal memory over the NF4 model (served weights and quant states as "
+                  "bitsandbytes stores them, over the all-NF4 model's): each linear on NF4, INT8 or BF16 by the "
+                  "first-order gain per byte of each rung (profile_ladder.json), against the same knapsack with one "
+                  "rung; the profiled BF16 plans of the first table (budgets in BF16 bytes) at what they cost in "
+                  "this currency. Training peak: the run's peak RSS (FP32 compute, every linear's BF16 recovery "
+                  "weight held on the host).", "",
+                  "| method | seeds | INT8 / BF16 linears | memory over NF4 | training peak (GiB) | gap closed served "
+                  "| gap closed merged |", "|---|---|---|---|---|---|---|", *ladder_rows]
     text = "\n".join(lines)
     if args.plot:
         plot(runs, args.plot)
+    if getattr(args, "plot_ladder", None):
+        plot_ladder(runs, args.plot_ladder, out)
     return text
+
+
+LADDER_REFERENCES = tuple(f"prof-op-{b}" for b in BUDGETS)  # today's plans, priced in memory over NF4
+
+
+def memory_over_nf4(result: dict[str, Any], prof: dict[str, Any] | None) -> float | None:
+    """A run's served weights over the all-NF4 model's: recorded by the run, or (older runs) the served
+    set's BF16 prices from profile_ladder.json; ``None`` when neither is there."""
+    if "memory_over_nf4" in result:
+        return result["memory_over_nf4"]
+    if prof is None:
+        return None
+    price = {u["name"].removeprefix("model."): u["prices"]["bf16"] for u in prof["units"]}
+    served = served_units(result.get("kind") or parse_method(result["method"])[0], result.get("planned", []))
+    return sum(price[n.removeprefix("model.")] for n in served) / prof["nf4_model_bytes"]
+
+
+def ladder_table(out: Path, runs) -> list[str]:
+    """The ladder's rows (and the profiled BF16 plans'), budget by budget: memory over NF4, training peak,
+    gap closed on both routes."""
+    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+    med = nf4_bench._med_range
+    lines = []
+    order = [f"{k}-{b}" for b in BUDGETS for k in LADDER] + list(LADDER_REFERENCES)
+    if not any(m in runs for m in order if m not in LADDER_REFERENCES):
+        return []
+    for m in order:
+        if m not in runs:
+            continue
+        rs = list(runs[m].values())
+        mem = [v for v in (memory_over_nf4(r, prof) for r in rs) if v is not None]
+        peaks = [r["peak_rss_bytes"] / 2**30 for r in rs if "peak_rss_bytes" in r]
+        counts = (f"{statistics.median(r.get('int8_linears', 0) for r in rs):g} / "
+                  f"{statistics.median(r.get('bf16_linears', r['served_set_size']) for r in rs):g}")
+        lines.append("| " + " | ".join([
+            m, str(len(rs)), counts, f"+{100 * statistics.median(mem):.1f} %" if mem else "-",
+            f"{statistics.median(peaks):.2f}" if peaks else "-",
+            med(gap_closed(runs, m, "served"), ".2f"), med(gap_closed(runs, m, "merged"), ".2f")]) + " |")
+    return lines
+
+
+def plot_ladder(runs, path: str, out: Path) -> None:
+    """Gap closed against memory over the NF4 model, both routes: the ladder, INT8 only, BF16 only (median
+    and range over seeds), and the profiled BF16 plans of the first table at their price."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gnmr_hf.reporting.plots import save_figure
+
+    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+    labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only"}
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
+    for ax, route in zip(axes, ("served", "merged")):
+        for kind, label in labels.items():
+            xs, ys, lo, hi = [], [], [], []
+            for b in BUDGETS:
+                g = gap_closed(runs, f"{kind}-{b}", route)
+                if g:
+                    xs.append(b)
+                    ys.append(statistics.median(g))
+                    lo.append(ys[-1] - min(g))
+                    hi.append(max(g) - ys[-1])
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
+        for m in LADDER_REFERENCES:
+            g = gap_closed(runs, m, route)
+            mem = [memory_over_nf4(r, prof) for r in runs.get(m, {}).values()]
+            if g and all(v is not None for v in mem):
+                ax.scatter([100 * statistics.median(mem)] * len(g), g, marker="x", color="grey", zorder=3,
+                           label="profiled BF16 plan, first table" if m == LADDER_REFERENCES[0] else None)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.set_xlabel("served weights, % over the NF4 model")
+        ax.set_title(f"gap closed, {route} route (median, range over seeds)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
+    save_figure(fig, path, dpi=120)
+    print(f"wrote {path}")
 
 
 def plot(runs, path: str) -> None:
@@ -1042,6 +1134,7 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("report", help="the table (and a plot)")
     rp.add_argument("--out", required=True)
     rp.add_argument("--plot", default=None)
+    rp.add_argument("--plot-ladder", default=None, help="the ladder's gap closed against memory over NF4")
     args = p.parse_args(argv)
     if args.cmd == "run":
         run_one(args)

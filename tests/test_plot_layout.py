@@ -105,6 +105,7 @@ def test_bench_plots_fit_on_the_committed_results(bench, tmp_path, kept_figures)
     mod = load_bench(bench)
     if bench == "qlora_budget":
         mod.plot(mod.collect(RESULTS / "qlora_budget"), str(tmp_path / "q.png"))
+        mod.plot_ladder(mod.collect(RESULTS / "qlora_budget"), str(tmp_path / "l.png"), RESULTS / "qlora_budget")
     elif bench == "nf4_bench":
         runs = mod._collect(RESULTS / "nf4")
         oracle = [r for m in runs.values() for r in m.values() if r.get("oracle")]

@@ -240,3 +240,94 @@ def test_the_data_free_methods_wait_for_their_own_profile(tmp_path, monkeypatch)
     assert jobs[("werr-op-10", 0)].needs == ("profile-dataless",) and jobs[("prof-op-10", 0)].needs == ("profile",)
     assert jobs[("nf4", 0)].needs == ()
     assert "--dataless" in jobs["profile-dataless"].cmd and jobs["profile-dataless"].done == tmp_path / "profile_dataless.json"
+
+
+def _ladder_profile(root, nf4_model_bytes=1000):
+    """Three linears A, B, C with hand-picked gains and prices (bytes over NF4) per rung."""
+    units = [("model.layers.0.self_attn.v_proj", {"int8": 3.0, "bf16": 4.0}),
+             ("model.layers.0.mlp.down_proj", {"int8": 1.0, "bf16": 6.0}),
+             ("model.layers.1.self_attn.v_proj", {"int8": 2.1, "bf16": 2.5})]
+    prof = {"nf4_model_bytes": nf4_model_bytes, "rungs": ["int8", "bf16"],
+            "units": [{"name": n, "numel": 64, "rows": 8, "gains": g, "prices": {"int8": 30, "bf16": 90}}
+                      for n, g in units]}
+    (root / "profile_ladder.json").write_text(json.dumps(prof))
+    return prof
+
+
+def test_the_ladder_methods_plan_under_memory_over_nf4(tmp_path):
+    prof = _ladder_profile(tmp_path)
+    A, B, C = (u["name"] for u in prof["units"])
+    assert qb.parse_method("lad-10") == ("lad", 10) and qb.parse_method("lad-int8-25") == ("lad-int8", 25)
+    assert qb.parse_method("lad-bf16-5") == ("lad-bf16", 5)
+    with pytest.raises(SystemExit, match="unknown method"):
+        qb.parse_method("lad-fp8-10")
+    # 10 % of a 1000-byte NF4 model: 100 bytes. INT8 only: gain per byte A 0.1, C 0.07, B 0.033; all three
+    # fit (90 bytes). BF16 only: B 0.067 first (90 bytes), then nothing fits.
+    assert qb.ladder_plan("lad-int8", 10, prof) == {A: "int8", B: "int8", C: "int8"}
+    assert qb.ladder_plan("lad-bf16", 10, prof) == {B: "bf16"}
+    # both rungs: A's INT8 (0.1), C's INT8 (0.07), then B's BF16 (0.067; its INT8 point lies under the hull)
+    # would make 150 bytes, A's upgrade to BF16 (1/60 a byte) 120: the plan stops at A and C on INT8
+    assert qb.ladder_plan("lad", 10, prof) == {A: "int8", C: "int8"}
+    # at 25 % (250 bytes): A and C on INT8 (60), B on BF16 (150), A's upgrade (+60, 210); C's (+60) would
+    # make 270
+    assert qb.ladder_plan("lad", 25, prof) == {A: "bf16", B: "bf16", C: "int8"}
+    assert qb.ladder_plan("lad", 1, prof) == {}  # 10 bytes buy no rung
+
+
+def test_served_weight_bytes_count_int8_rungs_at_their_own_bytes():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    units = [(f"base_model.model.{n}", None) for n in names]  # as PEFT names them
+    v, down = names.index("model.layers.0.self_attn.v_proj"), names.index("model.layers.1.mlp.down_proj")
+    w = qb.served_weight_bytes(model, units, [v, down],
+                               {"model.layers.0.self_attn.v_proj": "int8", "model.layers.1.mlp.down_proj": "bf16"})
+    # v_proj 32 x 64 = 2048 weights: INT8 2048 + 4 * 32 row scales = 2176 bytes, NF4 1024 + 4 * 32 absmax + 64
+    # (code table) = 1216, so +960; down_proj 64 x 128 = 8192: BF16 16384, NF4 4096 + 512 + 64 = 4672, +11712
+    assert w["served_weight_bytes"] - w["nf4_weight_bytes"] == 960 + 11712
+    assert w["memory_over_nf4"] == pytest.approx(12672 / w["nf4_weight_bytes"])
+    bf16_only = qb.served_weight_bytes(model, units, [v, down])
+    assert bf16_only["served_weight_bytes"] - w["served_weight_bytes"] == (4096 - 1216) - 960
+
+
+def test_the_ladder_runs_wait_for_the_ladder_profile(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(qb.runner, "run_plan", lambda jobs: seen.update(jobs=jobs))
+    args = qb.main.__globals__["argparse"].Namespace(
+        seeds="0", methods="lad-10,lad-int8-10,nf4", oracle_every=0, out=str(tmp_path), workers=1, worker=None,
+        profile_batches=2, steps=3, eval_problems=4, eval_every=0)
+    qb.plan(args)
+    jobs = {j.key: j for j in seen["jobs"]}
+    assert set(jobs) == {"profile-ladder", ("lad-10", 0), ("lad-int8-10", 0), ("nf4", 0)}
+    assert jobs[("lad-10", 0)].needs == ("profile-ladder",) and jobs[("nf4", 0)].needs == ()
+    assert "--ladder" in jobs["profile-ladder"].cmd and jobs["profile-ladder"].done == tmp_path / "profile_ladder.json"
+    assert [m for m, _ in qb.plan_runs([0], qb.LADDER_METHODS)][:3] == ["lad-10", "lad-int8-10", "lad-bf16-10"]
+
+
+def test_the_ladder_table_prices_every_row_in_memory_over_nf4(tmp_path):
+    prof = _ladder_profile(tmp_path)
+    _result(tmp_path, "bf16", 0, 1.0, 1.0, 100)
+    _result(tmp_path, "nf4", 0, 2.0, 1.6)
+    _result(tmp_path, "lad-10", 0, 1.4, 1.3, 0)
+    r = json.loads((tmp_path / "lad-10" / "seed0" / "result.json").read_text())
+    r.update(memory_over_nf4=0.098, int8_linears=2, bf16_linears=0, served_set_size=2, peak_rss_bytes=3 * 2**30)
+    (tmp_path / "lad-10" / "seed0" / "result.json").write_text(json.dumps(r))
+    # an older BF16 plan without the field: priced from profile_ladder.json (two linears at 90 bytes over NF4)
+    _result(tmp_path, "prof-op-10", 0, 1.5, 1.45, 10)
+    r = json.loads((tmp_path / "prof-op-10" / "seed0" / "result.json").read_text())
+    r.update(kind="prof-op", planned=[u["name"].removeprefix("model.") for u in prof["units"][:2]], served_set_size=2)
+    (tmp_path / "prof-op-10" / "seed0" / "result.json").write_text(json.dumps(r))
+    rows = qb.ladder_table(tmp_path, qb.collect(tmp_path))
+    lad = next(x for x in rows if x.startswith("| lad-10 "))
+    # served (2 - 1.4) / (2 - 1) = 0.6, merged (1.6 - 1.3) / (1.6 - 1) = 0.5
+    assert "| 2 / 0 | +9.8 % | 3.00 | 0.60 | 0.50 |" in lad
+    plan_row = next(x for x in rows if x.startswith("| prof-op-10 "))
+    assert "| 0 / 2 | +18.0 % | - | 0.50 | 0.25 |" in plan_row
+    text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": str(tmp_path / "l.png")})())
+    assert "Precision ladder at equal memory" in text and (tmp_path / "l.png").stat().st_size > 10_000
+    assert qb.ladder_table(tmp_path / "none", {}) == []
