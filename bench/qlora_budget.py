@@ -83,8 +83,38 @@ sys.path.insert(0, str(ROOT / "bench"))
 import nf4_bench  # noqa: E402  (bench/ is scripts: the held-out loss and the gap probe live there)
 import runner  # noqa: E402  (the run loop: claim, subprocess, log, resume, failed set)
 
-RECIPE = ROOT / "recipes" / "smollm2-135m" / "nf4.yaml"  # plain QLoRA; the dual path is added here
-GNMR_RECIPE = ROOT / "recipes" / "smollm2-135m" / "gnmr-nf4.yaml"  # its gnmr block: thresholds, locks, window
+# the recipes: recipes/<model>/nf4.yaml (plain QLoRA; the dual path is added here) and its gnmr-nf4.yaml (the
+# gnmr block: thresholds, locks, window). The setting of a results folder (setting.json, written by the first plan): the model's recipes and the task.
+# generated: the recipe's own data (generated arithmetic problems, the loss on the response); pydocs: the
+# Python 3.11 documentation's sources (Debian's python3.11-doc: 497 files, 12 MB), 256-token blocks, the loss
+# on every token, every 20th file held out (gnmr_hf.offline.text_data, the recipes' text task; the tutorial
+# alone has 17 files, so every-20th would hold none out)
+MODELS = ("smollm2-135m", "gemma3-270m")
+PYDOCS = "/usr/share/doc/python3.11/html/_sources"
+TASKS = {"generated": [], "pydocs": ["--dataset", f"text:{PYDOCS}", "--max_seq_len", "256"]}
+DEFAULT_SETTING = {"model": "smollm2-135m", "task": "generated"}
+
+
+def setting_path(out_root: Path) -> Path:
+    return out_root / "setting.json"
+
+
+def read_setting(out_root: Path) -> dict[str, str]:
+    """The folder's model and task (the default, SmolLM2 on its generated problems, when it has none)."""
+    path = setting_path(out_root)
+    return {**DEFAULT_SETTING, **json.loads(path.read_text())} if path.is_file() else dict(DEFAULT_SETTING)
+
+
+def check_setting(setting: dict[str, str]) -> dict[str, str]:
+    if setting["model"] not in MODELS:
+        raise SystemExit(f"unknown model {setting['model']!r} (known: {', '.join(MODELS)})")
+    if setting["task"] not in TASKS:
+        raise SystemExit(f"unknown task {setting['task']!r} (known: {', '.join(TASKS)})")
+    return setting
+
+
+def recipe_of(setting: dict[str, str], name: str = "nf4") -> Path:
+    return ROOT / "recipes" / setting["model"] / f"{name}.yaml"
 BUDGETS = (5, 10, 25)
 # the first tier: every reference and the 10 % column; then the price curve; then the rest
 TIER1 = ("bf16", "nf4", "prof-op-10", "rand-op-10", "gnmr-op-10", "hybrid-10", "loftq")
@@ -272,7 +302,7 @@ def make_ladder_profile(out_root: Path, batches: int, threads: int = 1) -> dict[
     from gnmr_hf.planning import ladder
 
     model, tokenizer, recipe, model_path = build(out_root / "profile_ladder_run", seed=0, steps=1,
-                                                 data_dir=out_root / "data")
+                                                 data_dir=out_root / "data", setting=read_setting(out_root))
     del model
     train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_ladder_run")
     collate = _collator(tokenizer)
@@ -306,7 +336,8 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
     torch.set_num_threads(threads)
     import gnmr_hf
 
-    model, tokenizer, recipe, model_path = build(out_root / "profile_run", seed=0, steps=1, data_dir=out_root / "data")
+    model, tokenizer, recipe, model_path = build(out_root / "profile_run", seed=0, steps=1, data_dir=out_root / "data",
+                                                 setting=read_setting(out_root))
     train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_run")
     collate = _collator(tokenizer)
     bs = recipe.training.per_device_train_batch_size
@@ -342,7 +373,7 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
 
 
 def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
-          rungs: dict[str, str] | None = None):
+          rungs: dict[str, str] | None = None, setting: dict[str, str] | None = None):
     """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear (``rungs``: the named
     linears' recovery path on that rung instead, ``prepare_dual_path``'s argument)."""
     sys.path.insert(0, str(ROOT / "recipes"))
@@ -352,9 +383,10 @@ def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str =
 
     import gnmr_hf
 
-    recipe = finetune.load_config(["--config", str(RECIPE), "--output_dir", str(out), "--seed", str(seed),
+    setting = check_setting(setting or dict(DEFAULT_SETTING))
+    recipe = finetune.load_config(["--config", str(recipe_of(setting)), "--output_dir", str(out), "--seed", str(seed),
                                    "--max_steps", str(steps), "--data_dir", str(data_dir), "--report_to", "none",
-                                   "--disable_tqdm", "true", "--compute_dtype", compute_dtype])
+                                   "--disable_tqdm", "true", "--compute_dtype", compute_dtype, *TASKS[setting["task"]]])
     set_seed(seed)
     model_path = finetune.resolve_model_path(recipe.script.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -367,9 +399,51 @@ def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str =
 
 
 def _train_dataset(recipe, tokenizer, out: Path):
-    import finetune
+    """The recipe's training rows, as recipes/finetune.py reads them (gnmr_hf.recipe.training_rows)."""
+    from gnmr_hf.recipe import training_rows
 
-    return finetune.tokenize_dataset(recipe.script, finetune.load_records(recipe.script, str(out)), tokenizer)
+    return training_rows(recipe.script, tokenizer, str(out))[0]
+
+
+def heldout_set(recipe, tokenizer, data_dir: Path, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` held-out examples: generated test problems (disjoint from the training ones), or for a
+    text task the held-out files' blocks (the split text_task makes)."""
+    from gnmr_hf.recipe import TEXT
+
+    script = recipe.script
+    if script.dataset.startswith(TEXT):
+        from gnmr_hf.offline.text_data import text_task
+
+        held = text_task(script.dataset[len(TEXT):], tokenizer, script.max_seq_len)[1]
+        if not held:
+            raise SystemExit(f"{script.dataset} holds out no block (fewer than 20 files, or too short ones)")
+        return held[:n]
+    from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
+
+    path = write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed) / "test.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()][:n]
+
+
+def heldout_loss(model, tokenizer, held: list[dict[str, Any]], script, batch_size: int = 4) -> float:
+    """Mean loss per target token: response tokens of generated problems (nf4_bench.heldout_loss), or
+    every token of the held-out text blocks (their ``labels``)."""
+    if not held or "input_ids" not in held[0]:
+        return nf4_bench.heldout_loss(model, tokenizer, held, script)
+    import torch
+
+    total, count = 0.0, 0
+    model.eval()
+    for i in range(0, len(held), batch_size):
+        rows = held[i:i + batch_size]
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        labels = torch.tensor([r["labels"] for r in rows])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+        total += float(torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                                         shift_labels.reshape(-1), ignore_index=-100, reduction="sum"))
+        count += int((shift_labels != -100).sum())
+    return total / count
 
 
 def _collator(tokenizer):
@@ -459,7 +533,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticSetPolicy
-    from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
     from gnmr_hf.units import find_decoder_layers, resolve_units
 
     kind, pct = parse_method(args.method)
@@ -468,7 +541,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     out_root = Path(args.root) if getattr(args, "root", None) else out.parent.parent  # profile.json, data/
     data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
     rungs = ladder_plan(kind, pct, json.loads(ladder_path(out_root).read_text())) if kind in LADDER else None
-    model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir, rungs=rungs)
+    setting = read_setting(out_root)
+    model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir, rungs=rungs, setting=setting)
     units = resolve_units(model)  # the linears (recorded by prepare_dual_path)
     U = len(units)
     ub = unit_bytes_of(units)
@@ -485,7 +559,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     import finetune
 
-    gnmr_cfg = finetune.load_config(["--config", str(GNMR_RECIPE)]).gnmr.config  # thresholds, locks, window
+    gnmr_cfg = finetune.load_config(["--config", str(recipe_of(setting, "gnmr-nf4"))]).gnmr.config  # thresholds, ...
     callback_units = None
     planned: list[int] = []
     if kind == "bf16":
@@ -548,9 +622,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     eval_every = getattr(args, "eval_every", 0) or 0
     script = recipe.script
-    test = [json.loads(line) for line in
-            (write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
-             / "test.jsonl").read_text().splitlines()][:args.eval_problems]
+    test = heldout_set(recipe, tokenizer, data_dir, args.eval_problems)
     curve: list[dict[str, Any]] = []
 
     int8_rungs = {n: r for n, r in (rungs or {}).items() if r == "int8"}
@@ -565,11 +637,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         active set (and a ladder plan's INT8 rungs)."""
         was_training, before = model.training, active_units(model, units)
         set_active_units(model, served_units(kind, planned), units)
-        served = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        served = heldout_loss(model, tokenizer, test, script)
         if int8_rungs:
             recovery_rungs(None)
         set_active_units(model, list(range(U)), units)
-        merged = nf4_bench.heldout_loss(model, tokenizer, test, script)
+        merged = heldout_loss(model, tokenizer, test, script)
         if int8_rungs:
             recovery_rungs(rungs)
         set_active_units(model, before, units)
@@ -616,7 +688,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     used = [sum(ub[u] for u in a) for a in active_per_step]
     result: dict[str, Any] = {
-        "method": args.method, "kind": kind, "budget_pct": pct, "seed": args.seed, "steps": args.steps,
+        "method": args.method, "kind": kind, "budget_pct": pct, "seed": args.seed, "steps": args.steps, **setting,
         "num_units": U, "total_bf16_bytes": total, "budget_bytes": budget,
         "planned": [gnmr_hf.units.short_name(units[u][0]) for u in planned], "served_set_size": len(served_set),
         "served_set_bytes": sum(ub[u] for u in served_set),
@@ -749,7 +821,8 @@ def bundled(args: argparse.Namespace) -> None:
     data_dir = out / "eval_data"
     if not (data_dir / "gsm8k" / "test.jsonl").is_file():
         write_eval_data(data_dir)
-    model_path = finetune.resolve_model_path(finetune.load_config(["--config", str(RECIPE)]).script.model)
+    model_path = finetune.resolve_model_path(
+        finetune.load_config(["--config", str(recipe_of(read_setting(out)))]).script.model)
     prof = json.loads((out / "profile_full.json").read_text()) if (out / "profile_full.json").is_file() else None
     full_names = {u["name"]: u["modules"] for u in prof["units"]} if prof else {}
     for method in args.methods.split(","):
@@ -842,8 +915,25 @@ def profile_needs(method: str) -> tuple[str, ...]:
             else ("profile-ladder",) if needs_ladder(method) else ())
 
 
+def claim_setting(out: Path, model: str | None, task: str | None) -> dict[str, str]:
+    """The folder's setting: the one it was started with (a different ``model``/``task`` is refused, so
+    that one folder never mixes two), else ``model``/``task`` (or the default), written to setting.json."""
+    asked = check_setting({k: v or DEFAULT_SETTING[k] for k, v in (("model", model), ("task", task))})
+    if setting_path(out).is_file() or any(out.glob("*/seed*/result.json")):
+        have = read_setting(out)
+        wrong = {k: v for k, v in (("model", model), ("task", task)) if v is not None and have[k] != v}
+        if wrong:
+            raise SystemExit(f"{out} holds {have['model']} on {have['task']}: asked for "
+                             f"{', '.join(f'{k} {v}' for k, v in wrong.items())}; use another --out")
+        return have
+    out.mkdir(parents=True, exist_ok=True)
+    setting_path(out).write_text(json.dumps(asked) + "\n")
+    return asked
+
+
 def plan(args: argparse.Namespace) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
+    claim_setting(Path(args.out), getattr(args, "model", None), getattr(args, "task", None))
     methods = tuple(args.methods.split(",")) if args.methods else METHODS
     for m in methods:
         parse_method(m)
@@ -912,8 +1002,11 @@ def report(args: argparse.Namespace) -> str:
         return f"no finished run under {out}"
     med = nf4_bench._med_range
     any_run = next(iter(next(iter(runs.values())).values()))
-    lines = [f"Held-out loss per response token ({any_run['eval_problems']} generated test problems, "
-             f"{any_run['steps']} steps), median [min, max] over seeds; gap closed = (L_nf4 - L) / (L_nf4 - L_bf16) "
+    setting = read_setting(out)
+    held = (f"per token ({any_run['eval_problems']} held-out blocks of the Python tutorial)"
+            if setting["task"] == "pydocs" else f"per response token ({any_run['eval_problems']} generated test problems)")
+    lines = [f"{setting['model']}, task {setting['task']}. Held-out loss {held}, "
+             f"{any_run['steps']} steps, median [min, max] over seeds; gap closed = (L_nf4 - L) / (L_nf4 - L_bf16) "
              "per seed and route. served: the base the adapter trained on (NF4 + the fixed set in BF16; all-NF4 "
              "for dynamic methods); merged: the original BF16 base. Extra bytes: BF16 bytes on the recovery path "
              "as a share of the quantised weights' BF16 bytes (served set; mean and peak during training).", "",
@@ -1110,6 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--eval-problems", type=int, default=48)
     pl.add_argument("--out", required=True)
     pl.add_argument("--seeds", default="0,1,2")
+    pl.add_argument("--model", default=None, choices=MODELS,
+                    help=f"a new folder's model (default {DEFAULT_SETTING['model']}; kept in its setting.json)")
+    pl.add_argument("--task", default=None, choices=tuple(TASKS),
+                    help="a new folder's task: generated (the recipe's problems) or pydocs (the Python tutorial)")
     pl.add_argument("--methods", default=None, help="comma-separated subset (default: all, tier by tier)")
     pl.add_argument("--profile-batches", type=int, default=2)
     pl.add_argument("--eval-every", type=int, default=0, help="passed to every run: the length curve")

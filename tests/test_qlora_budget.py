@@ -331,3 +331,38 @@ def test_the_ladder_table_prices_every_row_in_memory_over_nf4(tmp_path):
     text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": str(tmp_path / "l.png")})())
     assert "Precision ladder at equal memory" in text and (tmp_path / "l.png").stat().st_size > 10_000
     assert qb.ladder_table(tmp_path / "none", {}) == []
+
+
+def test_a_folder_keeps_the_setting_it_was_started_with(tmp_path):
+    assert qb.claim_setting(tmp_path / "a", None, None) == qb.DEFAULT_SETTING  # written on first use
+    assert qb.read_setting(tmp_path / "a") == {"model": "smollm2-135m", "task": "generated"}
+    assert qb.claim_setting(tmp_path / "b", "gemma3-270m", "pydocs") == {"model": "gemma3-270m", "task": "pydocs"}
+    assert qb.claim_setting(tmp_path / "b", None, None)["model"] == "gemma3-270m"  # resumed: kept
+    with pytest.raises(SystemExit, match="holds gemma3-270m on pydocs: asked for task generated"):
+        qb.claim_setting(tmp_path / "b", "gemma3-270m", "generated")
+    # a folder of results from before setting.json (the committed one) is the default setting
+    _result(tmp_path / "c", "nf4", 0, 2.0, 2.0)
+    with pytest.raises(SystemExit, match="holds smollm2-135m on generated: asked for model gemma3-270m"):
+        qb.claim_setting(tmp_path / "c", "gemma3-270m", None)
+    with pytest.raises(SystemExit, match="unknown model"):
+        qb.check_setting({"model": "llama", "task": "generated"})
+    assert qb.recipe_of({"model": "gemma3-270m"}).is_file() and qb.recipe_of({"model": "gemma3-270m"}, "gnmr-nf4").is_file()
+
+
+def test_the_text_held_out_loss_is_the_models_own_mean_token_loss(tiny_llama_dir):
+    """Blocks of the text task: the loss on every token, token-weighted over batches; a full block's mean
+    equals what transformers computes with labels = input_ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    held = [{"input_ids": r, "attention_mask": [1] * 9, "labels": list(r)}
+            for r in torch.randint(0, 128, (5, 9), generator=g).tolist()]
+    got = qb.heldout_loss(model, None, held, None, batch_size=2)
+    ids = torch.tensor([r["input_ids"] for r in held])
+    with torch.no_grad():
+        want = float(model(input_ids=ids, labels=ids).loss)  # 5 blocks x 8 targets at once
+    assert got == pytest.approx(want, rel=1e-5)
+    other = held[:4] + [{**held[4], "input_ids": [7] * 9, "labels": [7] * 9}]
+    assert qb.heldout_loss(model, None, other, None, batch_size=2) != got  # the last, lone block is counted
