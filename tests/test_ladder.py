@@ -179,6 +179,16 @@ def test_ladder_table_on_a_tiny_model(tiny_llama_dir, ids):
     batch = {"input_ids": ids, "labels": ids}
     table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.float32, points=(0.10, 0.25))
     assert table["loss_low"] != table["loss_high"]
+    # the budgets are memory over the NF4 model as a stock load stores it (BF16 embeddings, norms, head), the
+    # currency of "--budget +10%nf4", not over this FP32 load (which holds those parts at 4 bytes each)
+    from gnmr_hf.memory import model_bytes
+    from gnmr_hf.planning.budget import over_low_prices
+
+    names = [n for n in ladder.decoder_low_linears(_stock(tiny_llama_dir))]
+    nf4 = over_low_prices(tiny_llama_dir, names, "nf4")["low_model_bytes"]
+    assert table["low_model_bytes"] == nf4
+    assert nf4 < model_bytes(ladder._stock_low(tiny_llama_dir, "nf4", torch.float32))["total"]
+    assert [r["budget_bytes"] for r in table["rows"]] == [int(f * nf4) for f in (0.10, 0.25) for _ in range(3)]
     assert [(r["memory_over_low"], r["rungs"]) for r in table["rows"]] == [
         (f, rs) for f in (0.10, 0.25) for rs in ("bf16", "int8", "int8+bf16")]
     for r in table["rows"]:

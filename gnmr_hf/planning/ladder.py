@@ -294,10 +294,18 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
     import torch
 
     from gnmr_hf.memory import model_bytes
+    from gnmr_hf.planning.budget import over_low_prices
 
     stock = _stock_low(model_path, low, dtype, double_quant)
     units = rung_gains(stock, model_path, batches, low, double_quant)
-    low_bytes = model_bytes(stock)["total"]
+    # the all-low model as a stock load stores it (non-quantised parameters in BF16), whatever dtype the
+    # table computes in: the currency of memory_budget ("+10%nf4"); an FP32 load's own bytes would count its
+    # embeddings twice over and inflate every budget
+    low_bytes = over_low_prices(model_path, [u.name for u in units], low, double_quant)["low_model_bytes"]
+    loaded = model_bytes(stock)["total"]  # what this load holds (FP32 compute: its BF16 parts in FP32)
+    if dtype == torch.bfloat16 and abs(loaded - low_bytes) > 0.01 * low_bytes:
+        raise RuntimeError(f"the stock {low} load holds {loaded} bytes, {low_bytes} predicted: the byte accounting "
+                           "is off by more than 1 %")
     l_low = _loss(stock, batches)
     del stock
     l_high = _loss(_stock_low(model_path, low, dtype, double_quant, skip=[u.name for u in units]), batches)
@@ -312,7 +320,7 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
                 _reference_layout(mixed)  # as _stock_low: the losses compare on one kernel
             # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
             # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
-            held = model_bytes(mixed)["total"] - low_bytes if dtype == torch.bfloat16 else None
+            held = model_bytes(mixed)["total"] - loaded if dtype == torch.bfloat16 else None
             loss = _loss(mixed.eval(), batches)
             del mixed
             rows.append({"memory_over_low": f, "budget_bytes": budget, "rungs": "+".join(rs),
