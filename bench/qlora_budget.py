@@ -1,10 +1,13 @@
 """What a byte of BF16 buys a QLoRA adapter: operator-level plans against random, GNMR and LoftQ.
 
-Every run fine-tunes the model the ``gnmr-nf4`` recipe builds (SmolLM2-135M-Instruct, bitsandbytes NF4
-base, LoRA r=8 on all seven projections, the recipe's data, optimizer and clipping), computing in FP32
-on this CPU (as bench/nf4_bench.py, for the same reason: BF16 matmuls are ~10x slower here), with a
-BF16 recovery path on every linear (``prepare_dual_path(..., units="linears")``: 210 units, 7 per
-layer). Methods differ only in which linears run their checkpoint weight instead of NF4, at a budget of
+Every run fine-tunes the model the ``nf4`` recipe of the folder's model builds (``--model``:
+SmolLM2-135M-Instruct, the default, or Gemma 3 270M; bitsandbytes NF4 base, LoRA r=8 on all seven
+projections, the recipe's optimizer and clipping) on the folder's task (``--task``: ``generated``, the
+recipe's arithmetic problems, or ``pydocs``, the Python docs' sources as 256-token blocks with the loss on
+every token and every 20th file held out), computing in FP32 on this CPU (as bench/nf4_bench.py, for the
+same reason: BF16 matmuls are ~10x slower here), with a BF16 recovery path on every linear
+(``prepare_dual_path(..., units="linears")``: 7 units a layer, 210 on SmolLM2, 126 on Gemma 3). The
+first ``plan`` writes the folder's setting.json; a later one with another setting is refused. Methods differ only in which linears run their checkpoint weight instead of NF4, at a budget of
 extra BF16 bytes given as a share of the quantised weights' BF16 bytes (``-B`` in a name: B %):
 
 ======================  ==========================================================================================
@@ -57,6 +60,9 @@ that route and its ``bf16`` run.
 Commands::
 
     python bench/qlora_budget.py plan --out bench/results/qlora_budget --workers 2   # resumable
+    python bench/qlora_budget.py plan --out bench/results/qlora_gemma_pydocs --model gemma3-270m --task pydocs \
+        --methods nf4,bf16,lad-10,lad-bf16-10 --seeds 0 --oracle-every 0
+    python bench/qlora_budget.py report --out bench/results/qlora_budget --plot-ladder docs/qlora_ladder.png
     python bench/qlora_budget.py report --out bench/results/qlora_budget --plot docs/qlora_budget.png
     python bench/qlora_budget.py run --method prof-op-10 --seed 0 --out /tmp/x    # one run
 

@@ -74,6 +74,19 @@ def test_text_task_keeps_held_out_files_apart(tmp_path, word_tokenizer):
         text_data.text_task(tmp_path, word_tokenizer, block_size=50, heldout_every=2)
 
 
+def test_a_folder_too_small_to_hold_a_file_out_says_so(tmp_path, word_tokenizer):
+    # 4 files, every 20th held out: none is (the Python tutorial alone, 17 files, is such a folder)
+    _write(tmp_path, {"1.txt": "a b c", "2.txt": "d e", "3.txt": "f a b c d", "4.txt": "e e e e e e e"})
+    with pytest.warns(UserWarning, match="4 file\\(s\\), fewer than heldout_every=20, so no file is held out"):
+        train, held, summary = text_data.text_task(tmp_path, word_tokenizer, block_size=3)
+    assert held == [] and summary["heldout_files"] == 0 and len(train) == 7  # all 21 tokens train
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text_data.text_task(tmp_path, word_tokenizer, block_size=3, heldout_every=0)  # asked for no split: silent
+
+
 def test_the_loss_covers_every_token(word_tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md")
@@ -88,6 +89,10 @@ def text_task(source: str | os.PathLike, tokenizer, block_size: int, heldout_eve
     if max_files is not None:
         files = files[:max_files]
     train_files, held_files = split_by_file(files, heldout_every)
+    if heldout_every and not held_files:
+        warnings.warn(f"{source}: {len(files)} file(s), fewer than heldout_every={heldout_every}, so no file is held "
+                      "out (every file trains); point the task at a larger folder for a held-out split",
+                      stacklevel=2)
     train_ids, held_ids = token_stream(train_files, tokenizer), token_stream(held_files, tokenizer)
     train, held = blocks(train_ids, block_size), blocks(held_ids, block_size)
     if not train:
