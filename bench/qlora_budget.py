@@ -1123,16 +1123,7 @@ def plot_ladder(runs, path: str, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
     for ax, route in zip(axes, ("served", "merged")):
         for kind, label in labels.items():
-            xs, ys, lo, hi = [], [], [], []
-            for b in BUDGETS:
-                g = gap_closed(runs, f"{kind}-{b}", route)
-                if g:
-                    xs.append(b)
-                    ys.append(statistics.median(g))
-                    lo.append(ys[-1] - min(g))
-                    hi.append(max(g) - ys[-1])
-            if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
+            _family_curve(ax, runs, kind, route, label)
         for m in LADDER_REFERENCES:
             g = gap_closed(runs, m, route)
             mem = [memory_over_nf4(r, prof) for r in runs.get(m, {}).values()]
@@ -1149,6 +1140,20 @@ def plot_ladder(runs, path: str, out: Path) -> None:
     print(f"wrote {path}")
 
 
+def _family_curve(ax, runs, kind: str, route: str, label: str) -> None:
+    """One method family's gap closed on ``route`` against its budget: median, range over seeds."""
+    xs, ys, lo, hi = [], [], [], []
+    for pct in BUDGETS:
+        g = gap_closed(runs, f"{kind}-{pct}", route)
+        if g:
+            xs.append(pct)
+            ys.append(statistics.median(g))
+            lo.append(ys[-1] - min(g))
+            hi.append(max(g) - ys[-1])
+    if xs:
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
+
+
 def plot(runs, path: str) -> None:
     import matplotlib
 
@@ -1163,16 +1168,7 @@ def plot(runs, path: str) -> None:
                *BASELINES)
     for ax, route in zip(axes, ("served", "merged")):
         for label, kind in families.items():
-            xs, ys, lo, hi = [], [], [], []
-            for pct in BUDGETS:
-                g = gap_closed(runs, f"{kind}-{pct}", route)
-                if g:
-                    xs.append(pct)
-                    ys.append(statistics.median(g))
-                    lo.append(ys[-1] - min(g))
-                    hi.append(max(g) - ys[-1])
-            if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
+            _family_curve(ax, runs, kind, route, label)
         for m in singles:
             g = gap_closed(runs, m, route)
             if g:

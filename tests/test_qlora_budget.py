@@ -229,14 +229,19 @@ def test_plan_runs_keeps_methods_no_tier_names():
     assert runs == [("nf4", 0), ("werr-op-10", 0), ("werr-op-25", 0)]
 
 
-def test_the_data_free_methods_wait_for_their_own_profile(tmp_path, monkeypatch):
+def _planned_jobs(tmp_path, monkeypatch, methods: str) -> dict:
+    """The jobs ``plan`` hands the runner for ``methods`` (seed 0), by key, without running them."""
     seen = {}
     monkeypatch.setattr(qb.runner, "run_plan", lambda jobs: seen.update(jobs=jobs))
     args = qb.main.__globals__["argparse"].Namespace(
-        seeds="0", methods="nf4,werr-op-10,prof-op-10", oracle_every=0, out=str(tmp_path), workers=1, worker=None,
+        seeds="0", methods=methods, oracle_every=0, out=str(tmp_path), workers=1, worker=None,
         profile_batches=2, steps=3, eval_problems=4, eval_every=0)
     qb.plan(args)
-    jobs = {j.key: j for j in seen["jobs"]}
+    return {j.key: j for j in seen["jobs"]}
+
+
+def test_the_data_free_methods_wait_for_their_own_profile(tmp_path, monkeypatch):
+    jobs = _planned_jobs(tmp_path, monkeypatch, "nf4,werr-op-10,prof-op-10")
     assert jobs[("werr-op-10", 0)].needs == ("profile-dataless",) and jobs[("prof-op-10", 0)].needs == ("profile",)
     assert jobs[("nf4", 0)].needs == ()
     assert "--dataless" in jobs["profile-dataless"].cmd and jobs["profile-dataless"].done == tmp_path / "profile_dataless.json"
@@ -296,13 +301,7 @@ def test_served_weight_bytes_count_int8_rungs_at_their_own_bytes():
 
 
 def test_the_ladder_runs_wait_for_the_ladder_profile(tmp_path, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(qb.runner, "run_plan", lambda jobs: seen.update(jobs=jobs))
-    args = qb.main.__globals__["argparse"].Namespace(
-        seeds="0", methods="lad-10,lad-int8-10,nf4", oracle_every=0, out=str(tmp_path), workers=1, worker=None,
-        profile_batches=2, steps=3, eval_problems=4, eval_every=0)
-    qb.plan(args)
-    jobs = {j.key: j for j in seen["jobs"]}
+    jobs = _planned_jobs(tmp_path, monkeypatch, "lad-10,lad-int8-10,nf4")
     assert set(jobs) == {"profile-ladder", ("lad-10", 0), ("lad-int8-10", 0), ("nf4", 0)}
     assert jobs[("lad-10", 0)].needs == ("profile-ladder",) and jobs[("nf4", 0)].needs == ()
     assert "--ladder" in jobs["profile-ladder"].cmd and jobs["profile-ladder"].done == tmp_path / "profile_ladder.json"
