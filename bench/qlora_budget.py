@@ -1009,7 +1009,7 @@ def report(args: argparse.Namespace) -> str:
     med = nf4_bench._med_range
     any_run = next(iter(next(iter(runs.values())).values()))
     setting = read_setting(out)
-    held = (f"per token ({any_run['eval_problems']} held-out blocks of the Python tutorial)"
+    held = (f"per token ({any_run['eval_problems']} held-out blocks of the Python docs' sources)"
             if setting["task"] == "pydocs" else f"per response token ({any_run['eval_problems']} generated test problems)")
     lines = [f"{setting['model']}, task {setting['task']}. Held-out loss {held}, "
              f"{any_run['steps']} steps, median [min, max] over seeds; gap closed = (L_nf4 - L) / (L_nf4 - L_bf16) "
