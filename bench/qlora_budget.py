@@ -302,26 +302,19 @@ def make_ladder_profile(out_root: Path, batches: int, threads: int = 1) -> dict[
     import torch
 
     torch.set_num_threads(threads)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import gnmr_hf.memory
     from gnmr_hf.planning import ladder
+    from gnmr_hf.planning.budget import over_low_prices
 
-    model, tokenizer, recipe, model_path = build(out_root / "profile_ladder_run", seed=0, steps=1,
-                                                 data_dir=out_root / "data", setting=read_setting(out_root))
-    del model
-    train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_ladder_run")
-    collate = _collator(tokenizer)
-    bs = recipe.training.per_device_train_batch_size
-    data = [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
+    run_dir = out_root / "profile_ladder_run"
+    recipe, tokenizer, model_path = load_recipe(run_dir, seed=0, steps=1, data_dir=out_root / "data",
+                                                setting=read_setting(out_root))
+    data = profile_batches(recipe, tokenizer, run_dir, batches)
     t0 = time.perf_counter()
     stock = ladder._stock_low(model_path, "nf4", torch.float32)  # FP32 compute, as the runs; reference layout
     units = ladder.rung_gains(stock, model_path, data)
     l_low = ladder._loss(stock, data)
     del stock
-    with torch.device("meta"):  # shapes only
-        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    nf4 = gnmr_hf.memory.predict_model_bytes(meta, [u.name for u in units], "nf4")["total"]
+    nf4 = over_low_prices(model_path, [u.name for u in units], "nf4")["low_model_bytes"]  # as a stock load holds it
     result = {"batches": batches, "seconds": round(time.perf_counter() - t0, 1), "loss_low": l_low,
               "nf4_model_bytes": nf4, "rungs": list(ladder.RUNGS),
               "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
@@ -344,10 +337,7 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
 
     model, tokenizer, recipe, model_path = build(out_root / "profile_run", seed=0, steps=1, data_dir=out_root / "data",
                                                  setting=read_setting(out_root))
-    train_ds = _train_dataset(recipe, tokenizer, out_root / "profile_run")
-    collate = _collator(tokenizer)
-    bs = recipe.training.per_device_train_batch_size
-    data = [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
+    data = profile_batches(recipe, tokenizer, out_root / "profile_run", batches)
     from gnmr_hf.planning import DEFAULT_CRITERION
 
     t0 = time.perf_counter()
@@ -378,16 +368,12 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
 # -------------------------------------------------------------------------------------------- one run
 
 
-def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
-          rungs: dict[str, str] | None = None, setting: dict[str, str] | None = None):
-    """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear (``rungs``: the named
-    linears' recovery path on that rung instead, ``prepare_dual_path``'s argument)."""
+def load_recipe(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
+                setting: dict[str, str] | None = None):
+    """(recipe, tokenizer, model path) of the setting's ``nf4`` recipe with the bench's overrides; seeds."""
     sys.path.insert(0, str(ROOT / "recipes"))
     import finetune
-    import torch
     from transformers import AutoTokenizer, set_seed
-
-    import gnmr_hf
 
     setting = check_setting(setting or dict(DEFAULT_SETTING))
     recipe = finetune.load_config(["--config", str(recipe_of(setting)), "--output_dir", str(out), "--seed", str(seed),
@@ -398,6 +384,27 @@ def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str =
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return recipe, tokenizer, model_path
+
+
+def profile_batches(recipe, tokenizer, run_dir: Path, batches: int) -> list[dict[str, Any]]:
+    """The first ``batches`` training batches, collated as the Trainer collates them (the profiles' data)."""
+    train_ds = _train_dataset(recipe, tokenizer, run_dir)
+    collate = _collator(tokenizer)
+    bs = recipe.training.per_device_train_batch_size
+    return [dict(collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)])) for i in range(batches)]
+
+
+def build(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
+          rungs: dict[str, str] | None = None, setting: dict[str, str] | None = None):
+    """The recipe's NF4 model with LoRA and a BF16 recovery path on every linear (``rungs``: the named
+    linears' recovery path on that rung instead, ``prepare_dual_path``'s argument)."""
+    import finetune
+    import torch
+
+    import gnmr_hf
+
+    recipe, tokenizer, model_path = load_recipe(out, seed, steps, data_dir, compute_dtype, setting)
     model = finetune.load_model(recipe, model_path)  # NF4 + LoRA (PEFT), bitsandbytes' reference layout
     gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage="host", units="linears",
                               dtype=getattr(torch, compute_dtype), rungs=rungs)
