@@ -86,6 +86,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "recipes"))  # recipes/finetune.py: the recipes' loader, which every run builds from
 import nf4_bench  # noqa: E402  (bench/ is scripts: the held-out loss and the gap probe live there)
 import runner  # noqa: E402  (the run loop: claim, subprocess, log, resume, failed set)
 
@@ -371,7 +372,6 @@ def make_profile(out_root: Path, batches: int, threads: int = 1, dataless: bool 
 def load_recipe(out: Path, seed: int, steps: int, data_dir: Path, compute_dtype: str = "float32",
                 setting: dict[str, str] | None = None):
     """(recipe, tokenizer, model path) of the setting's ``nf4`` recipe with the bench's overrides; seeds."""
-    sys.path.insert(0, str(ROOT / "recipes"))
     import finetune
     from transformers import AutoTokenizer, set_seed
 
@@ -824,7 +824,6 @@ def bundled_routes(kind: str, served_modules: list[str]) -> dict[str, tuple[str,
 def bundled(args: argparse.Namespace) -> None:
     """Train ``--methods`` once more at ``--seed`` keeping the adapters, and score them with the bundled
     lm-eval script on the offline eval set (GSM8K-style EM, WikiText word perplexity) on both routes."""
-    sys.path.insert(0, str(ROOT / "recipes"))
     import finetune
 
     from gnmr_hf.evaluation.evaluate import evaluate
