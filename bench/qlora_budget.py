@@ -1021,16 +1021,21 @@ def report(args: argparse.Namespace) -> str:
              f"{any_run['steps']} steps, median [min, max] over seeds; gap closed = (L_nf4 - L) / (L_nf4 - L_bf16) "
              "per seed and route. served: the base the adapter trained on (NF4 + the fixed set in BF16; all-NF4 "
              "for dynamic methods); merged: the original BF16 base. Extra bytes: BF16 bytes on the recovery path "
-             "as a share of the quantised weights' BF16 bytes (served set; mean and peak during training).", "",
-             "| method | seeds | served bytes | mean / peak training bytes | loss served | gap closed served "
-             "| loss merged | gap closed merged | step s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "as a share of the quantised weights' BF16 bytes (served set, a linear on an INT8 rung counted at its "
+             "BF16 bytes; mean and peak during training); memory over NF4: what the served model's weights cost "
+             "over the all-NF4 model's, in the ladder table's currency.", "",
+             "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | loss served "
+             "| gap closed served | loss merged | gap closed merged | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
     order = [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS))
     for m in order:
         rs = list(runs[m].values())
         total = rs[0]["total_bf16_bytes"]
+        mem = [v for v in (memory_over_nf4(r, prof) for r in rs) if v is not None]
         lines.append("| " + " | ".join([
             m, str(len(rs)), f"{statistics.median(r['served_set_bytes'] for r in rs) / total:.3f}",
+            f"+{100 * statistics.median(mem):.1f} %" if mem else "-",
             f"{statistics.median(r['mean_active_bytes'] for r in rs) / total:.3f} / "
             f"{max(r['peak_active_bytes'] for r in rs) / total:.3f}",
             med([r["heldout_loss_served"] for r in rs]), med(gap_closed(runs, m, "served"), ".2f"),
@@ -1214,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--model", default=None, choices=MODELS,
                     help=f"a new folder's model (default {DEFAULT_SETTING['model']}; kept in its setting.json)")
     pl.add_argument("--task", default=None, choices=tuple(TASKS),
-                    help="a new folder's task: generated (the recipe's problems) or pydocs (the Python tutorial)")
+                    help="a new folder's task: generated (the recipe's problems) or pydocs (the Python docs' sources)")
     pl.add_argument("--methods", default=None, help="comma-separated subset (default: all, tier by tier)")
     pl.add_argument("--profile-batches", type=int, default=2)
     pl.add_argument("--eval-every", type=int, default=0, help="passed to every run: the length curve")
