@@ -152,7 +152,6 @@ def heldout_loss(model, tokenizer, problems: list[dict[str, str]], script, batch
     """Mean loss per response token over ``problems``, tokenised and padded as the recipe trains
     (``finetune.tokenize_dataset``: prompt tokens masked; the Trainer's collator)."""
     import datasets
-    import torch
     from transformers import DataCollatorForSeq2Seq
 
     sys.path.insert(0, str(ROOT / "recipes"))
@@ -160,10 +159,19 @@ def heldout_loss(model, tokenizer, problems: list[dict[str, str]], script, batch
 
     rows = finetune.tokenize_dataset(script, datasets.Dataset.from_list(problems), tokenizer)
     collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    return token_loss(model, (collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))])
+                              for i in range(0, len(rows), batch_size)))
+
+
+def token_loss(model, batches) -> float:
+    """Mean loss per target token over collated ``batches`` (``labels`` -100 where not scored): the sum of
+    every batch's shifted cross-entropy over the count of scored targets, so batches weigh by their tokens."""
+    import torch
+
     total, count = 0.0, 0
     model.eval()
-    for i in range(0, len(rows), batch_size):
-        batch = collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))])
+    for batch in batches:
+        batch = dict(batch)
         labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits.float()

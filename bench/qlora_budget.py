@@ -444,19 +444,13 @@ def heldout_loss(model, tokenizer, held: list[dict[str, Any]], script, batch_siz
         return nf4_bench.heldout_loss(model, tokenizer, held, script)
     import torch
 
-    total, count = 0.0, 0
-    model.eval()
-    for i in range(0, len(held), batch_size):
-        rows = held[i:i + batch_size]
-        ids = torch.tensor([r["input_ids"] for r in rows])
-        labels = torch.tensor([r["labels"] for r in rows])
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-        total += float(torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                                         shift_labels.reshape(-1), ignore_index=-100, reduction="sum"))
-        count += int((shift_labels != -100).sum())
-    return total / count
+    def batches():
+        for i in range(0, len(held), batch_size):
+            ids = torch.tensor([r["input_ids"] for r in held[i:i + batch_size]])
+            yield {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "labels": torch.tensor([r["labels"] for r in held[i:i + batch_size]])}
+
+    return nf4_bench.token_loss(model, batches())
 
 
 def _collator(tokenizer):
