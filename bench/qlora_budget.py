@@ -1125,10 +1125,15 @@ def plot_ladder(runs, path: str, out: Path) -> None:
 
     prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
     labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only"}
+
+    def spent(method: str) -> float | None:  # a plan's memory over NF4, in %: it may stop short of its budget
+        mem = [memory_over_nf4(r, prof) for r in runs.get(method, {}).values()]
+        return 100 * statistics.median(mem) if mem and all(v is not None for v in mem) else None
+
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
     for ax, route in zip(axes, ("served", "merged")):
         for kind, label in labels.items():
-            _family_curve(ax, runs, kind, route, label)
+            _family_curve(ax, runs, kind, route, label, x_of=spent)
         for m in LADDER_REFERENCES:
             g = gap_closed(runs, m, route)
             mem = [memory_over_nf4(r, prof) for r in runs.get(m, {}).values()]
@@ -1145,16 +1150,18 @@ def plot_ladder(runs, path: str, out: Path) -> None:
     print(f"wrote {path}")
 
 
-def _family_curve(ax, runs, kind: str, route: str, label: str) -> None:
-    """One method family's gap closed on ``route`` against its budget: median, range over seeds."""
-    xs, ys, lo, hi = [], [], [], []
+def _family_curve(ax, runs, kind: str, route: str, label: str, x_of=None) -> None:
+    """One method family's gap closed on ``route`` against its budget (or ``x_of(method)``, what the plan
+    spent, where a plan can stop short of its budget): median, range over seeds."""
+    points = []
     for pct in BUDGETS:
         g = gap_closed(runs, f"{kind}-{pct}", route)
         if g:
-            xs.append(pct)
-            ys.append(statistics.median(g))
-            lo.append(ys[-1] - min(g))
-            hi.append(max(g) - ys[-1])
+            x = x_of(f"{kind}-{pct}") if x_of else None
+            points.append((pct if x is None else x, statistics.median(g), min(g), max(g)))
+    points.sort()
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    lo, hi = [p[1] - p[2] for p in points], [p[3] - p[1] for p in points]
     if xs:
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=label)
 

@@ -398,3 +398,31 @@ def test_a_run_builds_and_trains_from_a_fresh_interpreter(smollm2_dir, tmp_path)
     assert math.isfinite(served) and math.isfinite(merged) and served != merged  # two bases: NF4, then BF16
     assert result["memory_over_nf4"] == 0 and result["served_weight_bytes"] == result["nf4_weight_bytes"]
     assert result["peak_rss_bytes"] > result["trained_model_bytes"] > result["nf4_weight_bytes"]
+
+
+def test_the_ladder_plot_places_a_plan_at_what_it_spent_not_at_its_budget(tmp_path):
+    """A knapsack stops short of its budget when no rung left has a positive gain (Gemma's INT8-only plans
+    spend +7.2 % at a 10 % and a 25 % budget): the ladder plot draws each point at the recorded memory over NF4."""
+    _result(tmp_path, "bf16", 0, 1.0, 1.0, 100)
+    _result(tmp_path, "nf4", 0, 2.0, 1.6)
+    for method, mem, served in (("lad-int8-10", 0.072, 1.4), ("lad-int8-25", 0.072, 1.3), ("lad-bf16-10", 0.099, 1.5)):
+        _result(tmp_path, method, 0, served, 1.3)
+        r = json.loads((tmp_path / method / "seed0" / "result.json").read_text())
+        r["memory_over_nf4"] = mem
+        (tmp_path / method / "seed0" / "result.json").write_text(json.dumps(r))
+    calls = []
+
+    class Ax:
+        def errorbar(self, xs, ys, **kw):
+            calls.append((list(xs), list(ys), kw["label"]))
+
+    runs = qb.collect(tmp_path)
+    spent = {m: 100 * json.loads((tmp_path / m / "seed0" / "result.json").read_text())["memory_over_nf4"]
+             for m in ("lad-int8-10", "lad-int8-25", "lad-bf16-10")}
+    qb._family_curve(Ax(), runs, "lad-int8", "served", "INT8 only", x_of=spent.get)
+    qb._family_curve(Ax(), runs, "lad-int8", "served", "INT8 only")  # the first table's plot: the budget
+    # served gap closed: (2 - 1.4) / (2 - 1) = 0.6 at 10 %, 0.7 at 25 %
+    assert calls[0][0] == pytest.approx([7.2, 7.2]) and calls[0][1] == pytest.approx([0.6, 0.7])
+    assert calls[1][0] == [10, 25]
+    qb.plot_ladder(runs, str(tmp_path / "l.png"), tmp_path)
+    assert (tmp_path / "l.png").stat().st_size > 10_000
