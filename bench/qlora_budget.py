@@ -1021,15 +1021,15 @@ def report(args: argparse.Namespace) -> str:
              "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | loss served "
              "| gap closed served | loss merged | gap closed merged | step s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+    prof = read_ladder_profile(out)
     order = [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS))
     for m in order:
         rs = list(runs[m].values())
         total = rs[0]["total_bf16_bytes"]
-        mem = [v for v in (memory_over_nf4(r, prof) for r in rs) if v is not None]
+        mem = spent_over_nf4(rs, prof)
         lines.append("| " + " | ".join([
             m, str(len(rs)), f"{statistics.median(r['served_set_bytes'] for r in rs) / total:.3f}",
-            f"+{100 * statistics.median(mem):.1f} %" if mem else "-",
+            "-" if mem is None else f"+{100 * mem:.1f} %",
             f"{statistics.median(r['mean_active_bytes'] for r in rs) / total:.3f} / "
             f"{max(r['peak_active_bytes'] for r in rs) / total:.3f}",
             med([r["heldout_loss_served"] for r in rs]), med(gap_closed(runs, m, "served"), ".2f"),
@@ -1089,10 +1089,21 @@ def memory_over_nf4(result: dict[str, Any], prof: dict[str, Any] | None) -> floa
     return sum(price[n.removeprefix("model.")] for n in served) / prof["nf4_model_bytes"]
 
 
+def read_ladder_profile(out: Path) -> dict[str, Any] | None:
+    """The folder's profile_ladder.json (every linear's rung prices), or ``None`` before the ladder profile ran."""
+    return json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+
+
+def spent_over_nf4(results, prof: dict[str, Any] | None) -> float | None:
+    """The median memory over NF4 of a method's runs (those whose price is known), ``None`` if none is."""
+    mem = [v for v in (memory_over_nf4(r, prof) for r in results) if v is not None]
+    return statistics.median(mem) if mem else None
+
+
 def ladder_table(out: Path, runs) -> list[str]:
     """The ladder's rows (and the profiled BF16 plans'), budget by budget: memory over NF4, training peak,
     gap closed on both routes."""
-    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+    prof = read_ladder_profile(out)
     med = nf4_bench._med_range
     lines = []
     order = [f"{k}-{b}" for b in BUDGETS for k in LADDER] + list(LADDER_REFERENCES)
@@ -1102,12 +1113,12 @@ def ladder_table(out: Path, runs) -> list[str]:
         if m not in runs:
             continue
         rs = list(runs[m].values())
-        mem = [v for v in (memory_over_nf4(r, prof) for r in rs) if v is not None]
+        mem = spent_over_nf4(rs, prof)
         peaks = [r["peak_rss_bytes"] / 2**30 for r in rs if "peak_rss_bytes" in r]
         counts = (f"{statistics.median(r.get('int8_linears', 0) for r in rs):g} / "
                   f"{statistics.median(r.get('bf16_linears', r['served_set_size']) for r in rs):g}")
         lines.append("| " + " | ".join([
-            m, str(len(rs)), counts, f"+{100 * statistics.median(mem):.1f} %" if mem else "-",
+            m, str(len(rs)), counts, "-" if mem is None else f"+{100 * mem:.1f} %",
             f"{statistics.median(peaks):.2f}" if peaks else "-",
             med(gap_closed(runs, m, "served"), ".2f"), med(gap_closed(runs, m, "merged"), ".2f")]) + " |")
     return lines
@@ -1123,12 +1134,12 @@ def plot_ladder(runs, path: str, out: Path) -> None:
 
     from gnmr_hf.reporting.plots import save_figure
 
-    prof = json.loads(ladder_path(out).read_text()) if ladder_path(out).is_file() else None
+    prof = read_ladder_profile(out)
     labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only"}
 
     def spent(method: str) -> float | None:  # a plan's memory over NF4, in %: it may stop short of its budget
-        mem = [memory_over_nf4(r, prof) for r in runs.get(method, {}).values()]
-        return 100 * statistics.median(mem) if mem and all(v is not None for v in mem) else None
+        mem = spent_over_nf4(runs.get(method, {}).values(), prof)
+        return None if mem is None else 100 * mem
 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
     for ax, route in zip(axes, ("served", "merged")):

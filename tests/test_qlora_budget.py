@@ -330,13 +330,15 @@ def test_the_ladder_table_prices_every_row_in_memory_over_nf4(tmp_path):
     text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": str(tmp_path / "l.png")})())
     assert "Precision ladder at equal memory" in text and (tmp_path / "l.png").stat().st_size > 10_000
     # the first table carries the same price beside its BF16-byte share: recorded, priced, or "-" without either
-    first = {row.split(" | ")[0].removeprefix("| "): row.split(" | ") for row in text.splitlines()
-             if row.startswith("| ") and row.count(" | ") == 9}
+
+    def first_table(text):  # method -> cells of the first table's rows (its ten columns)
+        return {row.split(" | ")[0].removeprefix("| "): row.split(" | ") for row in text.splitlines()
+                if row.startswith("| ") and row.count(" | ") == 9}
+
+    first = first_table(text)
     assert first["lad-10"][3] == "+9.8 %" and first["prof-op-10"][3] == "+18.0 %" and first["nf4"][3] == "+0.0 %"
     (tmp_path / "profile_ladder.json").unlink()
-    text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": None})())
-    first = {row.split(" | ")[0].removeprefix("| "): row.split(" | ") for row in text.splitlines()
-             if row.startswith("| ") and row.count(" | ") == 9}
+    first = first_table(qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": None})()))
     assert first["lad-10"][3] == "+9.8 %" and first["prof-op-10"][3] == "-"
     assert qb.ladder_table(tmp_path / "none", {}) == []
 
