@@ -131,8 +131,10 @@ TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
 # the data-free (or label-free) rankings at equal bytes: weight error per byte, output error, a fixed heuristic
 BASELINES = ("werr-op-10", "out-op-10", "heur-op-10")
 # the precision ladder at equal memory over NF4: the ladder, INT8 only, BF16 only (10 % first)
-LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",)}
-LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER)
+LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",), "lad-fill": ("int8", "bf16")}
+FILLED = ("lad-fill",)  # the ladder with its unspent bytes spent on INT8 -> BF16 upgrades (choose_rungs(fill=True))
+# lad-fill only at 25 %: at 5 and 10 % the knapsack spends the budget and its plan is lad's on both models
+LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER if k not in FILLED) + ("lad-fill-25",)
 METHODS = TIER1 + TIER2 + TIER3 + BASELINES + LADDER_METHODS
 # which file holds a kind's scores: profile.json (the product's first-order criterion, from labelled
 # batches) or profile_dataless.json (weight error needs no data; the output error needs inputs, no labels)
@@ -223,7 +225,7 @@ def ladder_plan(kind: str, pct: int, prof: dict[str, Any]) -> dict[str, str]:
 
     units = [LadderUnit(u["name"], u["numel"], u["rows"], dict(u["gains"]), {r: int(b) for r, b in u["prices"].items()})
              for u in prof["units"]]
-    return choose_rungs(units, prof["nf4_model_bytes"] * pct // 100, LADDER[kind])
+    return choose_rungs(units, prof["nf4_model_bytes"] * pct // 100, LADDER[kind], fill=kind in FILLED)
 
 
 def served_units(kind: str, planned: list[int]) -> list[int]:
@@ -1135,7 +1137,8 @@ def plot_ladder(runs, path: str, out: Path) -> None:
     from gnmr_hf.reporting.plots import save_figure
 
     prof = read_ladder_profile(out)
-    labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only"}
+    labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only",
+              "lad-fill": "ladder, unspent bytes on INT8 -> BF16 upgrades"}
 
     def spent(method: str) -> float | None:  # a plan's memory over NF4, in %: it may stop short of its budget
         mem = spent_over_nf4(runs.get(method, {}).values(), prof)

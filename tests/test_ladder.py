@@ -159,6 +159,52 @@ def test_bf16_wins_where_the_error_sits_in_one_small_linear():
         assert choose([small] + big, budget) == {"v_proj": "bf16"}
 
 
+def test_fill_spends_what_ties_leave_on_upgrades():
+    # three linears whose INT8 and BF16 first-order gains tie (the estimate cannot see INT8's residual):
+    # the knapsack buys INT8 on all three and stops with room for two upgrades; fill spends it on the
+    # two largest BF16 gains per upgrade byte, a linear with a non-positive BF16 gain is never upgraded
+    p = ladder.rung_prices(4096, 64)  # int8 1984 B, bf16 5824 B over NF4: an upgrade is 3840 B
+    units = [LadderUnit("a", 4096, 64, gains={"int8": 1.0, "bf16": 1.0}, prices=p),
+             LadderUnit("b", 4096, 64, gains={"int8": 0.5, "bf16": 0.5}, prices=p),
+             LadderUnit("c", 4096, 64, gains={"int8": 0.8, "bf16": 0.8}, prices=p),
+             LadderUnit("neg", 4096, 64, gains={"int8": 0.3, "bf16": -0.1}, prices=p)]
+    budget = 4 * p["int8"] + 2 * (p["bf16"] - p["int8"]) + 100
+    plain = ladder.choose_rungs(units, budget)
+    assert plain == {"a": "int8", "b": "int8", "c": "int8", "neg": "int8"}
+    assert ladder.plan_gain(units, plain)[1] == 4 * p["int8"]  # 7680 + 100 B left unspent
+    filled = ladder.choose_rungs(units, budget, fill=True)
+    assert filled == {"a": "bf16", "c": "bf16", "b": "int8", "neg": "int8"}
+    assert ladder.plan_gain(units, filled)[1] == 4 * p["int8"] + 2 * 3840 <= budget
+    # one more upgrade's bytes: "b" too, never "neg"
+    assert ladder.choose_rungs(units, budget + 3840, fill=True) == {"a": "bf16", "b": "bf16", "c": "bf16", "neg": "int8"}
+    # one rung only: nothing to upgrade
+    assert ladder.choose_rungs(units, budget, ("int8",), fill=True) == ladder.choose_rungs(units, budget, ("int8",))
+
+
+def test_fill_keeps_a_spent_plan_and_never_overspends():
+    rng = random.Random(1)
+    changed = 0
+    for _ in range(300):
+        units = _random_units(rng, rng.randint(2, 8))
+        total = sum(u.prices["bf16"] for u in units)
+        budget = int(total * rng.uniform(0.05, 1.2))
+        plain, filled = ladder.choose_rungs(units, budget), ladder.choose_rungs(units, budget, fill=True)
+        by = {u.name: u for u in units}
+        assert set(filled) == set(plain)  # the same linears off the low path
+        assert ladder.plan_gain(units, filled)[1] <= budget
+        for n, r in filled.items():  # only INT8 -> BF16 upgrades, each of a positive BF16 gain
+            assert r == plain[n] or (plain[n], r) == ("int8", "bf16") and by[n].gains["bf16"] > 0
+        left = budget - ladder.plan_gain(units, plain)[1]
+        # an INT8 pick with a positive BF16 gain stays INT8 only if its upgrade no longer fits
+        for n, r in filled.items():
+            if r == "int8" and by[n].gains["bf16"] > 0:
+                assert budget - ladder.plan_gain(units, filled)[1] < by[n].prices["bf16"] - by[n].prices["int8"]
+        changed += filled != plain
+        if left < min(u.prices["bf16"] - u.prices["int8"] for u in units):
+            assert filled == plain  # no upgrade fits in what is left
+    assert changed > 20  # the rule did act on these instances
+
+
 def test_rung_gains_on_a_real_model_are_first_order_estimates(tiny_llama_dir, ids):
     model = _stock(tiny_llama_dir)
     batch = {"input_ids": ids, "labels": ids}

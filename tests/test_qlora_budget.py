@@ -277,6 +277,15 @@ def test_the_ladder_methods_plan_under_memory_over_nf4(tmp_path):
     # make 270
     assert qb.ladder_plan("lad", 25, prof) == {A: "bf16", B: "bf16", C: "int8"}
     assert qb.ladder_plan("lad", 1, prof) == {}  # 10 bytes buy no rung
+    # lad-fill: the same knapsack, its unspent bytes on upgrades; here C's (+60) does not fit in what is left
+    assert qb.parse_method("lad-fill-25") == ("lad-fill", 25)
+    assert qb.ladder_plan("lad-fill", 25, prof) == qb.ladder_plan("lad", 25, prof)
+    # tied INT8 / BF16 gains (A 3, B 1, C 2.5): the knapsack buys the three INT8 rungs (90 bytes) and no
+    # upgrade; fill upgrades A then C (+60 each, 210), B's would make 270 > 250
+    for u, g in zip(prof["units"], (3.0, 1.0, 2.5)):
+        u["gains"] = {"int8": g, "bf16": g}
+    assert qb.ladder_plan("lad", 25, prof) == {A: "int8", B: "int8", C: "int8"}
+    assert qb.ladder_plan("lad-fill", 25, prof) == {A: "bf16", B: "int8", C: "bf16"}
 
 
 def test_served_weight_bytes_count_int8_rungs_at_their_own_bytes():

@@ -11,7 +11,8 @@ error is spread over many linears, INT8 on three may buy more than BF16 on one.
   and backward at the all-low point; and each rung's price over the low path (``gnmr_hf.memory``).
 - :func:`choose_rungs`: the multiple-choice knapsack (at most one rung per linear) under a byte budget:
   greedy by gain per byte over each linear's upper convex hull of (price, gain), upgrades included;
-  :func:`choose_rungs_exact` solves small instances exhaustively (the tests compare the two).
+  :func:`choose_rungs_exact` solves small instances exhaustively (the tests compare the two);
+  ``fill=True`` spends what it leaves unspent on INT8 -> BF16 upgrades (:func:`fill_upgrades`).
 - :func:`load_planned`: the mixed model from stock modules: ``Linear4bit`` (or ``Linear8bitLt``) for
   the low linears, ``Linear8bitLt`` for the INT8 rungs, plain BF16 ``nn.Linear`` for the BF16 rungs.
 
@@ -156,9 +157,14 @@ def _hull(options: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]
     return hull
 
 
-def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS) -> dict[str, str]:
+def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS,
+                 fill: bool = False) -> dict[str, str]:
     """``{linear: rung}`` for the linears not left low, greedy by gain per byte with upgrades (each
-    linear's convex hull of rungs; an upgrade is taken only after the step below it)."""
+    linear's convex hull of rungs; an upgrade is taken only after the step below it).
+
+    ``fill``: spend what the knapsack leaves of ``budget`` on INT8 -> BF16 upgrades of its INT8 picks
+    (those with a positive BF16 gain, largest BF16 gain per upgrade byte first), see :func:`fill_upgrades`.
+    """
     steps = []
     for i, u in enumerate(units):
         hull = _hull([(u.prices[r], u.gains[r], r) for r in rungs])
@@ -176,7 +182,34 @@ def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = 
             chosen[units[i].name] = rung
         else:
             blocked.add(i)  # its later upgrades would skip this one
+    if fill and "int8" in rungs and "bf16" in rungs:
+        chosen = fill_upgrades(units, chosen, budget)
     return chosen
+
+
+def fill_upgrades(units: list[LadderUnit], chosen: dict[str, str], budget: int) -> dict[str, str]:
+    """``chosen`` with the bytes it leaves of ``budget`` spent on INT8 -> BF16 upgrades.
+
+    Why: INT8's weight error is about a tenth of NF4's and uncorrelated with the gradient, so a
+    first-order estimate scores a linear's INT8 and BF16 rungs alike (their difference is the gradient
+    against INT8's small residual: noise); where the two tie, the knapsack buys INT8 and no upgrade,
+    and a budget with more room than the positive-gain linears need on INT8 is left partly unspent. BF16
+    removes the residual that INT8 keeps, so the bytes the user allowed go to upgrades: the INT8 picks
+    whose BF16 gain is positive, largest BF16 gain per upgrade byte first, each while it fits.
+    """
+    by = {u.name: u for u in units}
+    used = sum(by[n].prices[r] for n, r in chosen.items())
+    out = dict(chosen)
+
+    def extra(n):
+        return by[n].prices["bf16"] - by[n].prices["int8"]
+
+    todo = [n for n, r in chosen.items() if r == "int8" and by[n].gains["bf16"] > 0 and extra(n) > 0]
+    for n in sorted(todo, key=lambda n: (-by[n].gains["bf16"] / extra(n), n)):
+        if used + extra(n) <= budget:
+            used += extra(n)
+            out[n] = "bf16"
+    return out
 
 
 def choose_rungs_exact(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS) -> dict[str, str]:
