@@ -198,7 +198,7 @@ def fill_upgrades(units: list[LadderUnit], chosen: dict[str, str], budget: int) 
     whose BF16 gain is positive, largest BF16 gain per upgrade byte first, each while it fits.
     """
     by = {u.name: u for u in units}
-    used = sum(by[n].prices[r] for n, r in chosen.items())
+    used = plan_gain(units, chosen)[1]
     out = dict(chosen)
 
     def extra(n):
