@@ -147,3 +147,33 @@ def test_an_unknown_layout_is_refused_naming_what_it_found():
 
     with pytest.raises(ValueError, match="no linear layer inside the decoder layers of Odd.*Conv1d"):
         find_linear_units(Odd())
+
+
+def test_loftq_brings_each_architecture_closer_to_bf16(arch, ids):
+    # the bench's loftq rows on Gemma 3 and the recipes' lora_init: loftq on every layout: PEFT's LoftQ on
+    # the CPU (gnmr_hf.loftq) finds every targeted linear's checkpoint weight (fused Phi-3 ones included)
+    # and its adapter removes part of each linear's NF4 residual: ||W - (W_nf4 + s B A)|| below ||W - W_nf4||
+    import bitsandbytes as bnb
+    from safetensors import safe_open
+
+    from gnmr_hf import loftq
+
+    name, path = arch
+    reference = logits(load(path, None), ids)
+
+    def qlora():
+        return peft.get_peft_model(load(path, "nf4"), peft.LoraConfig(r=8, lora_alpha=8,
+                                                                       target_modules=sorted(set(ARCHS[name][3]))))
+
+    plain_err = (logits(qlora(), ids) - reference).pow(2).mean()
+    model = loftq.replace_lora_weights_loftq(qlora(), path, progress=False)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert len(layers) == COMMON["num_hidden_layers"] * len(ARCHS[name][3])
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for n, m in layers:
+            w = f.get_tensor(n.removeprefix("base_model.model.") + ".weight").float()
+            q = bnb.functional.dequantize_4bit(m.base_layer.weight.data, m.base_layer.weight.quant_state).float()
+            delta = m.scaling["default"] * m.lora_B["default"].weight @ m.lora_A["default"].weight
+            before, after = (w - q).norm(), (w - q - delta).norm()
+            assert after < 0.97 * before, (n, float(after), float(before))
+    assert (logits(model, ids) - reference).pow(2).mean() < plain_err
