@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return model, tok, recipe, path
 
     model, tok, recipe, path = fresh()
-    units = resolve_units(model)
+    units = resolve_units(model)  # re-resolved after every fresh(): units hold the model's own modules
     everything = list(range(len(units)))
     held = qb.heldout_set(recipe, tok, root / "data", args.blocks + 1)
     if len(held) <= args.blocks:
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     res.update(routes("loftq"))
 
     model, tok, recipe, path = fresh()  # the callback's run starts from the stock init again
+    units = resolve_units(model)
     with torch.no_grad():
         set_active_units(model, everything, units)
         ref = model(input_ids=probe).logits.float()

@@ -555,3 +555,23 @@ def test_gpu_promotion_copies_on_a_side_stream(tiny_llama_dir, ids, storage, low
     gnmr_hf.set_active_units(model, [])
     torch.cuda.synchronize(dev)
     assert gnmr_hf.recovery_device_bytes(model) == (promoted if storage == "device" else 0)
+
+
+def test_units_of_another_model_are_refused(tiny_llama_dir, ids):
+    """Units resolved from one model, handed with another (the same checkpoint loaded twice), would switch
+    the first model's layers and leave the second on the low path without a word: refused instead."""
+    from gnmr_hf.units import resolve_units
+
+    first = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"), tiny_llama_dir, dtype=torch.float32)
+    second = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"), tiny_llama_dir, dtype=torch.float32)
+    stale = resolve_units(first)
+    low = logits(second, ids)
+    for call in (lambda: gnmr_hf.set_active_units(second, range(NUM_LAYERS), stale),
+                 lambda: gnmr_hf.active_units(second, stale)):
+        with pytest.raises(ValueError, match=f"{NUM_LAYERS} of {NUM_LAYERS} units given .* not modules of this model"):
+            call()
+    assert gnmr_hf.active_units(first) == []  # the refused call switched nothing on the other model either
+    own = resolve_units(second)
+    gnmr_hf.set_active_units(second, range(NUM_LAYERS), own)
+    assert gnmr_hf.active_units(second, own) == list(range(NUM_LAYERS))
+    assert (logits(second, ids) - low).abs().max() > 1e-3  # its own units did switch it to BF16

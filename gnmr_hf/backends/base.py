@@ -146,5 +146,14 @@ def recovery_device_bytes(model: nn.Module) -> int:
 
 def _resolve(model: nn.Module, units: Any) -> list[Unit]:
     if isinstance(units, list) and units and isinstance(units[0], tuple):
+        # resolved units of another model (say, one loaded again) would switch that model's layers and
+        # leave this one untouched without a word
+        own = {id(m) for m in model.modules()}
+        stray = [name for name, unit in units if id(unit) not in own]
+        if stray:
+            raise ValueError(
+                f"{len(stray)} of {len(units)} units given (first: {stray[0]!r}) are not modules of this model; "
+                "resolve the units from the model itself (gnmr_hf.units.resolve_units(model))"
+            )
         return units
     return resolve_units(model, units)
