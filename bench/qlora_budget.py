@@ -1003,6 +1003,90 @@ def gap_closed(runs, method: str, route: str) -> list[float]:
     return vals
 
 
+REFERENCES = ("bf16", "nf4")  # their gap closed is 1 and 0 by definition
+
+
+def curve_gap_closed(runs, method: str, route: str) -> dict[int, list[float]]:
+    """Gap closed on ``route`` at every evaluated step of a length curve (``--eval-every``): per seed, the run's
+    held-out loss at that step against the same seed's ``nf4`` run on that route and its ``bf16`` run at the
+    same step. Steps are the ones all three runs evaluated; runs without a curve give nothing."""
+    key = f"heldout_loss_{route}"
+    out: dict[int, list[float]] = {}
+    for seed, r in sorted(runs.get(method, {}).items()):
+        lo, hi = runs.get("nf4", {}).get(seed), runs.get("bf16", {}).get(seed)
+        if lo is None or hi is None:
+            continue
+        lo_at = {p["step"]: p[key] for p in lo.get("curve") or []}
+        hi_at = {p["step"]: p["heldout_loss_merged"] for p in hi.get("curve") or []}
+        for point in r.get("curve") or []:
+            step = point["step"]
+            if step in lo_at and step in hi_at and lo_at[step] != hi_at[step]:
+                out.setdefault(step, []).append((lo_at[step] - point[key]) / (lo_at[step] - hi_at[step]))
+    return dict(sorted(out.items()))
+
+
+def _peak_gib(rs) -> str:
+    """The largest training peak (RSS) of a method's runs, in GiB; "-" where no run recorded one."""
+    peaks = [r["peak_rss_bytes"] for r in rs if r.get("peak_rss_bytes")]
+    return f"{max(peaks) / 2**30:.2f}" if peaks else "-"
+
+
+def curve_table(runs) -> list[str]:
+    """Gap closed along the run, both routes (median [min, max] over seeds) at every step the curves share,
+    and BF16 LoRA's own held-out loss there: empty where no run has a curve."""
+    bf16_at: dict[int, list[float]] = {}
+    for r in runs.get("bf16", {}).values():
+        for point in r.get("curve") or []:
+            bf16_at.setdefault(point["step"], []).append(point["heldout_loss_merged"])
+    if not bf16_at:
+        return []
+    steps = sorted(bf16_at)
+    med = nf4_bench._med_range
+    lines = ["| method | route | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "|---|---|" + "---|" * len(steps),
+             "| bf16 | held-out loss | " + " | ".join(med(bf16_at[s]) for s in steps) + " |"]
+    order = [m for m in METHODS if m in runs and m not in REFERENCES] + sorted(set(runs) - set(METHODS))
+    for m in order:
+        for route in ("served", "merged"):
+            at = curve_gap_closed(runs, m, route)
+            if at:
+                lines.append(f"| {m} | {route} | " + " | ".join(med(at[s], ".2f") if s in at else "-" for s in steps)
+                             + " |")
+    return lines
+
+
+def plot_length(runs, path: str) -> None:
+    """Gap closed against the training step, both routes: every method with a curve (median over seeds, the
+    range as a band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gnmr_hf.reporting.plots import save_figure
+
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
+    methods = [m for m in METHODS if m in runs and m not in REFERENCES] + sorted(set(runs) - set(METHODS))
+    for ax, route in zip(axes, ("served", "merged")):
+        for m in methods:
+            at = curve_gap_closed(runs, m, route)
+            if not at:
+                continue
+            xs = list(at)
+            (line,) = ax.plot(xs, [statistics.median(v) for v in at.values()], "o-", ms=3,
+                              label=f"{m} ({max(len(v) for v in at.values())} seeds)")
+            ax.fill_between(xs, [min(v) for v in at.values()], [max(v) for v in at.values()],
+                            color=line.get_color(), alpha=0.15)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.axhline(1, color="grey", lw=0.5)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(f"gap closed along the run, {route} route (median, range over seeds)")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
+    save_figure(fig, path, dpi=120)
+    print(f"wrote {path}")
+
+
 def report(args: argparse.Namespace) -> str:
     out = Path(args.out)
     runs = collect(out)
@@ -1019,10 +1103,11 @@ def report(args: argparse.Namespace) -> str:
              "for dynamic methods); merged: the original BF16 base. Extra bytes: BF16 bytes on the recovery path "
              "as a share of the quantised weights' BF16 bytes (served set, a linear on an INT8 rung counted at its "
              "BF16 bytes; mean and peak during training); memory over NF4: what the served model's weights cost "
-             "over the all-NF4 model's, in the ladder table's currency.", "",
-             "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | loss served "
-             "| gap closed served | loss merged | gap closed merged | step s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "over the all-NF4 model's, in the ladder table's currency; training peak: the largest peak RSS of the "
+             "method's runs (FP32 compute, every linear's BF16 recovery weight held on the host).", "",
+             "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | training peak (GiB) "
+             "| loss served | gap closed served | loss merged | gap closed merged | step s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     prof = read_ladder_profile(out)
     order = [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS))
     for m in order:
@@ -1033,7 +1118,7 @@ def report(args: argparse.Namespace) -> str:
             m, str(len(rs)), f"{statistics.median(r['served_set_bytes'] for r in rs) / total:.3f}",
             "-" if mem is None else f"+{100 * mem:.1f} %",
             f"{statistics.median(r['mean_active_bytes'] for r in rs) / total:.3f} / "
-            f"{max(r['peak_active_bytes'] for r in rs) / total:.3f}",
+            f"{max(r['peak_active_bytes'] for r in rs) / total:.3f}", _peak_gib(rs),
             med([r["heldout_loss_served"] for r in rs]), med(gap_closed(runs, m, "served"), ".2f"),
             med([r["heldout_loss_merged"] for r in rs]), med(gap_closed(runs, m, "merged"), ".2f"),
             med([r["step_s_median"] for r in rs], ".2f"),
@@ -1051,6 +1136,11 @@ def report(args: argparse.Namespace) -> str:
         for row in oracle_table(r, scores):
             lines.append(f"| {row['trigger']} | {row['steps']} | {row['precision']:.3f} | {row['recall']:.3f} | "
                          f"{row['bytes_recall']:.3f} | {row['captured']:.3f} | {row['oracle_captured']:.3f} |")
+    curve_rows = curve_table(runs)
+    if curve_rows:
+        lines += ["", "Along the run (`--eval-every`): gap closed per route at every evaluated step, each seed against "
+                  "its own nf4 and bf16 runs at the same step (one learning-rate schedule over the whole run, so a "
+                  "point is not a shorter run's end); median [min, max] over seeds.", "", *curve_rows]
     bundled_rows = bundled_table(out)
     if bundled_rows:
         lines += ["", f"Bundled eval (gnmr_hf.evaluation on the offline set: {BUNDLED_TASKS}; zero-shot, 24 documents, "
@@ -1073,6 +1163,8 @@ def report(args: argparse.Namespace) -> str:
         plot(runs, args.plot)
     if getattr(args, "plot_ladder", None):
         plot_ladder(runs, args.plot_ladder, out)
+    if getattr(args, "plot_length", None):
+        plot_length(runs, args.plot_length)
     return text
 
 
@@ -1260,6 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--out", required=True)
     rp.add_argument("--plot", default=None)
     rp.add_argument("--plot-ladder", default=None, help="the ladder's gap closed against memory over NF4")
+    rp.add_argument("--plot-length", default=None, help="gap closed against the training step (runs with a curve)")
     args = p.parse_args(argv)
     if args.cmd == "run":
         run_one(args)

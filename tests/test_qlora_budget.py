@@ -340,9 +340,9 @@ def test_the_ladder_table_prices_every_row_in_memory_over_nf4(tmp_path):
     assert "Precision ladder at equal memory" in text and (tmp_path / "l.png").stat().st_size > 10_000
     # the first table carries the same price beside its BF16-byte share: recorded, priced, or "-" without either
 
-    def first_table(text):  # method -> cells of the first table's rows (its ten columns)
+    def first_table(text):  # method -> cells of the first table's rows (its eleven columns)
         return {row.split(" | ")[0].removeprefix("| "): row.split(" | ") for row in text.splitlines()
-                if row.startswith("| ") and row.count(" | ") == 9}
+                if row.startswith("| ") and row.count(" | ") == 10}
 
     first = first_table(text)
     assert first["lad-10"][3] == "+9.8 %" and first["prof-op-10"][3] == "+18.0 %" and first["nf4"][3] == "+0.0 %"
@@ -437,3 +437,47 @@ def test_the_ladder_plot_places_a_plan_at_what_it_spent_not_at_its_budget(tmp_pa
     assert calls[1][0] == [10, 25]
     qb.plot_ladder(runs, str(tmp_path / "l.png"), tmp_path)
     assert (tmp_path / "l.png").stat().st_size > 10_000
+
+
+def _with_curve(root, method, seed, points, peak=None):
+    """Add a length curve ({step: (served, merged)}) and a training peak to a fake run."""
+    path = root / method / f"seed{seed}" / "result.json"
+    r = json.loads(path.read_text())
+    r["curve"] = [{"step": k, "heldout_loss_served": v[0], "heldout_loss_merged": v[1]} for k, v in points.items()]
+    if peak is not None:
+        r["peak_rss_bytes"] = peak
+    path.write_text(json.dumps(r))
+
+
+def test_the_length_curve_scores_each_step_against_the_same_steps_references(tmp_path):
+    for seed in (0, 1):
+        _result(tmp_path, "bf16", seed, 1.0, 1.0, 100)
+        _result(tmp_path, "nf4", seed, 1.5, 1.8)
+        _result(tmp_path, "prof-op-10", seed, 1.2, 1.6, 10)
+    # step 30: bf16 2.0, nf4 3.0 served / 4.0 merged; step 60: bf16 1.0, nf4 1.5 / 1.8 (the run's end)
+    for seed in (0, 1):
+        _with_curve(tmp_path, "bf16", seed, {30: (2.0, 2.0), 60: (1.0, 1.0)}, peak=4 * 2**30)
+        _with_curve(tmp_path, "nf4", seed, {30: (3.0, 4.0), 60: (1.5, 1.8)}, peak=3 * 2**30)
+    _with_curve(tmp_path, "prof-op-10", 0, {30: (2.5, 3.0), 60: (1.2, 1.6)}, peak=3 * 2**30 + 2**29)
+    _with_curve(tmp_path, "prof-op-10", 1, {30: (2.2, 3.5), 60: (1.2, 1.6), 90: (1.0, 1.0)})  # 90: no references
+    runs = qb.collect(tmp_path)
+    served, merged = qb.curve_gap_closed(runs, "prof-op-10", "served"), qb.curve_gap_closed(runs, "prof-op-10", "merged")
+    # served at 30: (3 - 2.5) / (3 - 2) = 0.5 and (3 - 2.2) / 1 = 0.8; at 60: (1.5 - 1.2) / 0.5 = 0.6 (both)
+    assert list(served) == [30, 60] and served[30] == pytest.approx([0.5, 0.8]) and served[60] == pytest.approx([0.6, 0.6])
+    # merged at 30: (4 - 3) / (4 - 2) = 0.5 and 0.25; at 60: (1.8 - 1.6) / 0.8 = 0.25: the end point is the table's
+    assert merged[30] == pytest.approx([0.5, 0.25]) and merged[60] == pytest.approx(qb.gap_closed(runs, "prof-op-10", "merged"))
+    assert qb.curve_gap_closed(runs, "rand-op-10", "served") == {}
+    text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None, "plot_ladder": None,
+                                    "plot_length": str(tmp_path / "len.png")})())
+    row = next(x for x in text.splitlines() if x.startswith("| prof-op-10 | served |"))
+    assert row == "| prof-op-10 | served | 0.65 [0.50, 0.80] | 0.60 [0.60, 0.60] |"
+    assert "| bf16 | held-out loss | 2.0000 [2.0000, 2.0000] | 1.0000 [1.0000, 1.0000] |" in text
+    assert not any(x.startswith("| nf4 | served |") for x in text.splitlines())  # 0 by definition: no row
+    # the training peak column: the largest peak of the method's runs, "-" where none recorded one
+    first = {x.split(" | ")[0]: x.split(" | ") for x in text.splitlines() if x.count(" | ") == 10}
+    assert first["| prof-op-10"][5] == "3.50" and first["| bf16"][5] == "4.00"
+    assert qb._peak_gib([{"heldout_loss_served": 1.0}]) == "-"
+    assert (tmp_path / "len.png").stat().st_size > 10_000
+    (tmp_path / "bf16" / "seed0" / "result.json").unlink()
+    (tmp_path / "bf16" / "seed1" / "result.json").unlink()
+    assert qb.curve_table(qb.collect(tmp_path)) == []
