@@ -1055,6 +1055,24 @@ def curve_table(runs) -> list[str]:
     return lines
 
 
+def _gap_axes(ax, xlabel: str, title: str) -> None:
+    """One panel of a gap-closed plot: the 0 (NF4) and 1 (BF16) lines, its labels."""
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+
+
+def _finish_gap_figure(fig, axes, path: str, legend_size: int = 8) -> None:
+    """One key beside the data, the shared y label, titles wrapped to fit, then saved."""
+    from gnmr_hf.reporting.plots import save_figure
+
+    axes[1].legend(fontsize=legend_size, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
+    save_figure(fig, path, dpi=120)
+    print(f"wrote {path}")
+
+
 def plot_length(runs, path: str) -> None:
     """Gap closed against the training step, both routes: every method with a curve (median over seeds, the
     range as a band)."""
@@ -1062,8 +1080,6 @@ def plot_length(runs, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from gnmr_hf.reporting.plots import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
     methods = [m for m in METHODS if m in runs and m not in REFERENCES] + sorted(set(runs) - set(METHODS))
@@ -1077,14 +1093,8 @@ def plot_length(runs, path: str) -> None:
                               label=f"{m} ({max(len(v) for v in at.values())} seeds)")
             ax.fill_between(xs, [min(v) for v in at.values()], [max(v) for v in at.values()],
                             color=line.get_color(), alpha=0.15)
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.axhline(1, color="grey", lw=0.5)
-        ax.set_xlabel("optimizer step")
-        ax.set_title(f"gap closed along the run, {route} route (median, range over seeds)")
-    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
-    save_figure(fig, path, dpi=120)
-    print(f"wrote {path}")
+        _gap_axes(ax, "optimizer step", f"gap closed along the run, {route} route (median, range over seeds)")
+    _finish_gap_figure(fig, axes, path, legend_size=8)
 
 
 def report(args: argparse.Namespace) -> str:
@@ -1226,8 +1236,6 @@ def plot_ladder(runs, path: str, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gnmr_hf.reporting.plots import save_figure
-
     prof = read_ladder_profile(out)
     labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only",
               "lad-fill": "ladder, unspent bytes on INT8 -> BF16 upgrades"}
@@ -1246,14 +1254,8 @@ def plot_ladder(runs, path: str, out: Path) -> None:
             if g and all(v is not None for v in mem):
                 ax.scatter([100 * statistics.median(mem)] * len(g), g, marker="x", color="grey", zorder=3,
                            label="profiled BF16 plan, first table" if m == LADDER_REFERENCES[0] else None)
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.axhline(1, color="grey", lw=0.5)
-        ax.set_xlabel("served weights, % over the NF4 model")
-        ax.set_title(f"gap closed, {route} route (median, range over seeds)")
-    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
-    save_figure(fig, path, dpi=120)
-    print(f"wrote {path}")
+        _gap_axes(ax, "served weights, % over the NF4 model", f"gap closed, {route} route (median, range over seeds)")
+    _finish_gap_figure(fig, axes, path, legend_size=8)
 
 
 def _family_curve(ax, runs, kind: str, route: str, label: str, x_of=None) -> None:
@@ -1278,8 +1280,6 @@ def plot(runs, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gnmr_hf.reporting.plots import save_figure
-
     fig, axes = plt.subplots(1, 2, figsize=(14.5, 4.5), sharey=True)
     families = {"profiled operators": "prof-op", "random operators (fixed)": "rand-op", "hybrid": "hybrid"}
     singles = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10", "gnmr-op-10", "loftq", "loftq+prof-op-10",
@@ -1292,14 +1292,8 @@ def plot(runs, path: str) -> None:
             if g:
                 x = parse_method(m)[1]
                 ax.scatter([x] * len(g), g, s=25, label=m, zorder=3)
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.axhline(1, color="grey", lw=0.5)
-        ax.set_xlabel("extra BF16 bytes, % of the quantised weights")
-        ax.set_title(f"gap closed, {route} route (median, range over seeds)")
-    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # one key, beside the data
-    axes[0].set_ylabel("NF4-to-BF16 gap closed (held-out loss)")
-    save_figure(fig, path, dpi=120)  # titles wrapped to fit, then laid out
-    print(f"wrote {path}")
+        _gap_axes(ax, "extra BF16 bytes, % of the quantised weights", f"gap closed, {route} route (median, range over seeds)")
+    _finish_gap_figure(fig, axes, path, legend_size=7)
 
 
 def main(argv: list[str] | None = None) -> int:
