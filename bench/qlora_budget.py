@@ -994,13 +994,21 @@ def gap_closed(runs, method: str, route: str) -> list[float]:
     """Per seed ``(L_nf4 - L) / (L_nf4 - L_bf16)`` on ``route`` (``"served"`` or ``"merged"``), with that
     seed's ``nf4`` run on the same route and its ``bf16`` run (the same on both routes)."""
     key = f"heldout_loss_{route}"
-    vals = []
+    return [(lo[key] - r[key]) / (lo[key] - hi["heldout_loss_merged"]) for r, lo, hi in _with_references(runs, method)
+            if lo[key] != hi["heldout_loss_merged"]]
+
+
+def _with_references(runs, method: str):
+    """``(run, nf4 run, bf16 run)`` of every seed of ``method`` that has both references, by seed."""
     for seed, r in sorted(runs.get(method, {}).items()):
         lo, hi = runs.get("nf4", {}).get(seed), runs.get("bf16", {}).get(seed)
-        if lo is None or hi is None or lo[key] == hi["heldout_loss_merged"]:
-            continue
-        vals.append((lo[key] - r[key]) / (lo[key] - hi["heldout_loss_merged"]))
-    return vals
+        if lo is not None and hi is not None:
+            yield r, lo, hi
+
+
+def _method_order(runs, skip: tuple[str, ...] = ()) -> list[str]:
+    """The methods of ``runs`` in the plan's order, unknown ones after it, less ``skip``."""
+    return [m for m in METHODS if m in runs and m not in skip] + sorted(set(runs) - set(METHODS))
 
 
 REFERENCES = ("bf16", "nf4")  # their gap closed is 1 and 0 by definition
@@ -1012,10 +1020,7 @@ def curve_gap_closed(runs, method: str, route: str) -> dict[int, list[float]]:
     same step. Steps are the ones all three runs evaluated; runs without a curve give nothing."""
     key = f"heldout_loss_{route}"
     out: dict[int, list[float]] = {}
-    for seed, r in sorted(runs.get(method, {}).items()):
-        lo, hi = runs.get("nf4", {}).get(seed), runs.get("bf16", {}).get(seed)
-        if lo is None or hi is None:
-            continue
+    for r, lo, hi in _with_references(runs, method):
         lo_at = {p["step"]: p[key] for p in lo.get("curve") or []}
         hi_at = {p["step"]: p["heldout_loss_merged"] for p in hi.get("curve") or []}
         for point in r.get("curve") or []:
@@ -1045,8 +1050,7 @@ def curve_table(runs) -> list[str]:
     lines = ["| method | route | " + " | ".join(f"step {s}" for s in steps) + " |",
              "|---|---|" + "---|" * len(steps),
              "| bf16 | held-out loss | " + " | ".join(med(bf16_at[s]) for s in steps) + " |"]
-    order = [m for m in METHODS if m in runs and m not in REFERENCES] + sorted(set(runs) - set(METHODS))
-    for m in order:
+    for m in _method_order(runs, skip=REFERENCES):
         for route in ("served", "merged"):
             at = curve_gap_closed(runs, m, route)
             if at:
@@ -1082,9 +1086,8 @@ def plot_length(runs, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.5), sharey=True)
-    methods = [m for m in METHODS if m in runs and m not in REFERENCES] + sorted(set(runs) - set(METHODS))
     for ax, route in zip(axes, ("served", "merged")):
-        for m in methods:
+        for m in _method_order(runs, skip=REFERENCES):
             at = curve_gap_closed(runs, m, route)
             if not at:
                 continue
@@ -1119,8 +1122,7 @@ def report(args: argparse.Namespace) -> str:
              "| loss served | gap closed served | loss merged | gap closed merged | step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     prof = read_ladder_profile(out)
-    order = [m for m in METHODS if m in runs] + sorted(set(runs) - set(METHODS))
-    for m in order:
+    for m in _method_order(runs):
         rs = list(runs[m].values())
         total = rs[0]["total_bf16_bytes"]
         mem = spent_over_nf4(rs, prof)
