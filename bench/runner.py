@@ -3,9 +3,9 @@
 A bench describes its plan as a list of :class:`Job` (a key, a run folder, the command that fills it, the
 file whose existence means "done", and the keys it waits for); :func:`run_plan` runs them:
 
-- **claim**: a job's folder is taken with an exclusive ``run.lock`` holding the owner's pid, so several
-  workers (``--workers N``, :func:`fan_out`) or a second session never run the same job; a dead owner's
-  lock is reclaimed;
+- **claim**: a job's folder is taken with an exclusive ``flock`` on its ``run.lock``, so several
+  workers (``--workers N``, :func:`fan_out`) or a second session never run the same job; the kernel drops
+  a dead owner's lock, so its job is free again;
 - **subprocess**: each job runs in its own process with one torch thread (``OMP_NUM_THREADS=1``, as the
   benches' figures are measured) and its output *appended* to ``run folder/log.txt``, so a retried job
   keeps the log of the attempt that failed;
@@ -17,6 +17,7 @@ file whose existence means "done", and the keys it waits for); :func:`run_plan` 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+_HELD: dict[Path, int] = {}  # run.lock -> the descriptor holding its flock (claim to release)
 
 
 @dataclass(frozen=True)
@@ -48,37 +50,42 @@ class Outcome:
     blocked: list[Hashable] = field(default_factory=list)  # waited for a failed job
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def claim(run_dir: Path) -> bool:
+    """Take ``run_dir`` (created if missing) for this process: True when an exclusive ``flock`` on its
+    ``run.lock`` is now ours (held until :func:`release`), False while another process (or another claim in
+    this one) holds it. The kernel drops the lock when its owner dies, so a killed worker's job is free at
+    once; the pid written in the file is for people, never read. (A lock *file* whose creation and pid were
+    two steps let a worker that read it in between take an empty file for a dead owner's, so two workers ran
+    one job in one folder.)"""
+    path = run_dir / "run.lock"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            current = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # released and removed between our open and our lock: take the file now at the path
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    _HELD[path] = fd
     return True
 
 
-def claim(run_dir: Path) -> bool:
-    """Take ``run_dir`` (created if missing) for this process: True when its ``run.lock`` is now ours,
-    False while a live process holds it. A lock whose pid is dead (a killed worker) is reclaimed."""
-    lock = run_dir / "run.lock"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and _alive(pid):
-                return False
-            lock.unlink(missing_ok=True)  # a dead owner's lock
-            continue
-        os.write(fd, str(os.getpid()).encode())
+def release(run_dir: Path) -> None:
+    """Give up :func:`claim`'s lock on ``run_dir``: the file is removed while still held, then closed."""
+    path = run_dir / "run.lock"
+    fd = _HELD.pop(path, None)
+    path.unlink(missing_ok=True)
+    if fd is not None:
         os.close(fd)
-        return True
-    return False
 
 
 def run_claimed(run_dir: Path, cmd: Sequence[str], what: str) -> bool:
@@ -86,7 +93,7 @@ def run_claimed(run_dir: Path, cmd: Sequence[str], what: str) -> bool:
     the caller :func:`claim`-ed; False, with a line naming the log, when it exited non-zero."""
     with open(run_dir / "log.txt", "a") as log:
         rc = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
-    (run_dir / "run.lock").unlink(missing_ok=True)
+    release(run_dir)
     if rc != 0:
         print(f"  {what} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)
     return rc == 0
@@ -125,7 +132,7 @@ def run_plan(jobs: Sequence[Job], *, poll_s: float = 20.0,
                 continue  # another worker holds it
             took = True
             if job.done.is_file():  # finished by another worker between the listing and the claim
-                (job.run_dir / "run.lock").unlink(missing_ok=True)
+                release(job.run_dir)
                 break
             print(f"[{time.strftime('%H:%M:%S')}] {len(jobs) - len(pending)}/{len(jobs)} done; running {job.name}",
                   flush=True)

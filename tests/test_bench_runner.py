@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,46 @@ def test_two_workers_over_one_plan_run_every_job_once(tmp_path):
     assert sorted(_journal(tmp_path)) == list("abcdefg")  # each once
     assert all("running" in o for o in outs)  # both took work
     assert _journal(tmp_path)[-1] == "g"
+
+
+@pytest.mark.slow  # subprocesses: the slow tier
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh folders", "dead owners' lock files"])
+def test_two_processes_claiming_the_same_folders_at_once_never_both_win(tmp_path, stale):
+    """Two workers that start a plan together race for the same folders (a resumed plan: for lock files a
+    killed worker left). The former pid-in-a-file lock let a reader take a half-created (empty) lock for a
+    dead owner's and remove it, so both ran one job in one folder."""
+    folders = [tmp_path / f"d{i}" for i in range(400)]
+    if stale:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        for d in folders:
+            d.mkdir()
+            (d / "run.lock").write_text(str(dead.pid))
+    script = tmp_path / "claimer.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(runner.__file__).parent)!r})
+        import runner
+        from pathlib import Path
+        go = Path(sys.argv[1])
+        while not go.exists():
+            time.sleep(0.001)
+        won = [str(i) for i in range({len(folders)}) if runner.claim(Path({str(tmp_path)!r}) / f"d{{i}}")]
+        print(" ".join(won), flush=True)
+        while not Path(sys.argv[2]).exists():  # alive, holding its locks, until both have claimed
+            time.sleep(0.01)
+    """))
+    go = tmp_path / "go"
+    end = tmp_path / "end"
+    procs = [subprocess.Popen([sys.executable, str(script), str(go), str(end)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    time.sleep(1.0)  # both started and waiting
+    go.touch()
+    won = [set(p.stdout.readline().split()) for p in procs]  # a worker's exit frees its locks: read first
+    end.touch()
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    assert won[0].isdisjoint(won[1]), f"{len(won[0] & won[1])} folders claimed by both"
+    assert won[0] | won[1] == {str(i) for i in range(len(folders))}  # every folder taken once
 
 
 def test_a_need_outside_the_plan_is_refused(tmp_path):

@@ -110,11 +110,20 @@ def test_a_lock_is_taken_once_and_a_dead_owners_lock_is_reclaimed(tmp_path):
     run_dir = tmp_path / "gnmr" / "seed0"
     assert nb.runner.claim(run_dir)
     assert not nb.runner.claim(run_dir)  # held by this (live) process
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (run_dir / "run.lock").write_text(str(dead.pid))
-    assert nb.runner.claim(run_dir)
-    assert (run_dir / "run.lock").read_text() == str(os.getpid())
+    nb.runner.release(run_dir)
+    assert not (run_dir / "run.lock").exists()
+    # a worker that took a lock and died without releasing it leaves the file behind, and its job free
+    other = tmp_path / "gnmr" / "seed1"
+    bench = str(Path(nb.runner.__file__).parent)
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {bench!r}); import runner; "
+                    f"from pathlib import Path; sys.exit(0 if runner.claim(Path({str(other)!r})) else 1)"], check=True)
+    assert (other / "run.lock").read_text() not in ("", str(os.getpid()))  # the dead worker's pid
+    assert nb.runner.claim(other)
+    assert (other / "run.lock").read_text() == str(os.getpid())
+    # and a lock file of the former format (a pid, no flock held) does not hold a job either
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run.lock").write_text(str(os.getpid()))
+    assert nb.runner.claim(tmp_path / "old")
 
 
 def _result(out: Path, method: str, seed: int, nf4: float, bf16: float, mean_active: float, **kw) -> None:
