@@ -1030,10 +1030,11 @@ def curve_gap_closed(runs, method: str, route: str) -> dict[int, list[float]]:
     return dict(sorted(out.items()))
 
 
-def _peak_gib(rs) -> str:
-    """The largest training peak (RSS) of a method's runs, in GiB; "-" where no run recorded one."""
-    peaks = [r["peak_rss_bytes"] for r in rs if r.get("peak_rss_bytes")]
-    return f"{max(peaks) / 2**30:.2f}" if peaks else "-"
+def _peak_gib(rs, stat=max) -> str:
+    """``stat`` (the largest by default) of the training peaks (RSS) of a method's runs, in GiB; "-" where no
+    run recorded one."""
+    peaks = [r["peak_rss_bytes"] / 2**30 for r in rs if r.get("peak_rss_bytes")]
+    return f"{stat(peaks):.2f}" if peaks else "-"
 
 
 def curve_table(runs) -> list[str]:
@@ -1097,7 +1098,7 @@ def plot_length(runs, path: str) -> None:
             ax.fill_between(xs, [min(v) for v in at.values()], [max(v) for v in at.values()],
                             color=line.get_color(), alpha=0.15)
         _gap_axes(ax, "optimizer step", f"gap closed along the run, {route} route (median, range over seeds)")
-    _finish_gap_figure(fig, axes, path, legend_size=8)
+    _finish_gap_figure(fig, axes, path)
 
 
 def report(args: argparse.Namespace) -> str:
@@ -1220,12 +1221,11 @@ def ladder_table(out: Path, runs) -> list[str]:
             continue
         rs = list(runs[m].values())
         mem = spent_over_nf4(rs, prof)
-        peaks = [r["peak_rss_bytes"] / 2**30 for r in rs if "peak_rss_bytes" in r]
         counts = (f"{statistics.median(r.get('int8_linears', 0) for r in rs):g} / "
                   f"{statistics.median(r.get('bf16_linears', r['served_set_size']) for r in rs):g}")
         lines.append("| " + " | ".join([
             m, str(len(rs)), counts, "-" if mem is None else f"+{100 * mem:.1f} %",
-            f"{statistics.median(peaks):.2f}" if peaks else "-",
+            _peak_gib(rs, statistics.median),
             med(gap_closed(runs, m, "served"), ".2f"), med(gap_closed(runs, m, "merged"), ".2f")]) + " |")
     return lines
 
@@ -1257,7 +1257,7 @@ def plot_ladder(runs, path: str, out: Path) -> None:
                 ax.scatter([100 * statistics.median(mem)] * len(g), g, marker="x", color="grey", zorder=3,
                            label="profiled BF16 plan, first table" if m == LADDER_REFERENCES[0] else None)
         _gap_axes(ax, "served weights, % over the NF4 model", f"gap closed, {route} route (median, range over seeds)")
-    _finish_gap_figure(fig, axes, path, legend_size=8)
+    _finish_gap_figure(fig, axes, path)
 
 
 def _family_curve(ax, runs, kind: str, route: str, label: str, x_of=None) -> None:
