@@ -1093,8 +1093,9 @@ def plot_length(runs, path: str) -> None:
             if not at:
                 continue
             xs = list(at)
+            n = max(len(v) for v in at.values())
             (line,) = ax.plot(xs, [statistics.median(v) for v in at.values()], "o-", ms=3,
-                              label=f"{m} ({max(len(v) for v in at.values())} seeds)")
+                              label=f"{m} ({n} seed{'' if n == 1 else 's'})")
             ax.fill_between(xs, [min(v) for v in at.values()], [max(v) for v in at.values()],
                             color=line.get_color(), alpha=0.15)
         _gap_axes(ax, "optimizer step", f"gap closed along the run, {route} route (median, range over seeds)")
