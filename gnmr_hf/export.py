@@ -63,7 +63,15 @@ def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, An
     if not path.is_file():
         raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
     from gnmr_hf.planning import SensitivityProfile
+    from gnmr_hf.planning.ladder import LADDER_SERVING, int8_rungs
 
+    try:
+        int8 = int8_rungs(json.loads(path.read_text()))
+    except ValueError:
+        int8 = []
+    if int8:
+        raise ExportError(f"{path} is a precision-ladder plan with {len(int8)} INT8 linears (e.g. {int8[0]}): "
+                          f"{LADDER_SERVING}")
     try:
         SensitivityProfile.from_json(path)  # validates the fields (one-line errors naming them)
     except ValueError as e:

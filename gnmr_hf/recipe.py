@@ -217,6 +217,11 @@ class ProfileArguments:
             (``gnmr_hf.HybridPolicy``); ``gnmr``: no profile at all, the paper's controller over decoder
             layers as the ``gnmr:`` block configures it (the run is the plain gnmr / gnmr-nf4 recipe's).
         gnmr_share (`float`): hybrid: the share of the budget GNMR gets.
+        rungs (`tuple[str, ...]`): what a kept linear may run on: ``("bf16",)`` (the default: the plan
+            above), or the precision ladder, ``("int8", "bf16")`` (``[int8, bf16]`` in a file, ``int8,bf16``
+            on the command line): each linear on NF4, INT8 or BF16, chosen by the first-order gain of each
+            rung per byte (``gnmr_hf.planning.ladder``) under ``budget`` written as memory over the NF4
+            model (``+10%nf4``); ``("int8",)`` the same with the INT8 rung only. Policy static only.
         given (`dict[str, str]`): the keys set in a file or on the command line, and where.
     """
 
@@ -226,14 +231,20 @@ class ProfileArguments:
     batches: int = 2
     policy: str = "static"
     gnmr_share: float = 0.25
+    rungs: tuple[str, ...] = ("bf16",)
     given: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ladder(self) -> bool:
+        """True when a kept linear may run on another rung than BF16 (the precision ladder)."""
+        return self.rungs != ("bf16",)
 
     @classmethod
     def from_dict(cls, block: dict[str, Any], given: dict[str, str] | None = None) -> "ProfileArguments":
         """Parse and check the block (one-line ``RecipeError`` naming the key)."""
         from gnmr_hf.planning import CRITERIA, parse_budget
 
-        known = ["budget", "criterion", "batches", "policy", "gnmr_share"]
+        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs"]
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise _unknown([f"profile.{k}" for k in unknown], [f"profile.{k}" for k in known], "in the profile block")
@@ -269,10 +280,36 @@ class ProfileArguments:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
                 raise RecipeError(f"profile.gnmr_share must be a number in (0, 1), got {share!r}")
             out.gnmr_share = float(share)
+        if "rungs" in block:
+            out.rungs = _parse_rungs(block["rungs"])
+        if out.ladder:
+            rungs = ", ".join(out.rungs)
+            if memory is None:
+                raise RecipeError(f"profile.rungs [{rungs}] plans under memory over the NF4 model: write profile.budget "
+                                  f"as +N%nf4 (e.g. +10%nf4), not {out.budget!r}")
+            if out.policy != "static":
+                raise RecipeError(f"profile.rungs [{rungs}] needs profile.policy static (the ladder's rungs are fixed "
+                                  f"for the run), got {out.policy}")
+            if out.criterion not in (None, "first_order"):
+                raise RecipeError(f"profile.rungs [{rungs}] ranks by the first-order gain of each rung; "
+                                  f"profile.criterion {out.criterion!r} does not apply")
         return out
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "given"}
+
+
+def _parse_rungs(value: Any) -> tuple[str, ...]:
+    """``[int8, bf16]`` (a list), ``"int8,bf16"`` (the command line) or ``"bf16"`` -> ``("int8", "bf16")``,
+    cheapest first; a one-line ``RecipeError`` for anything else."""
+    from gnmr_hf.backends.recovery import RUNGS
+
+    items = [str(v).strip() for v in value] if isinstance(value, (list, tuple)) else \
+        [v.strip() for v in str(value).split(",")] if isinstance(value, str) else None
+    if not items or any(v not in RUNGS for v in items) or len(set(items)) != len(items):
+        raise RecipeError(f"profile.rungs must be a non-empty list of distinct rungs from {', '.join(RUNGS)} "
+                          f"(e.g. [int8, bf16]), got {value!r}")
+    return tuple(r for r in RUNGS if r in items)
 
 
 @dataclass

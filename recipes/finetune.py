@@ -236,6 +236,8 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
     device = next(p.device for p in model.parameters())
     batches = [{k: v.to(device) for k, v in collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]).items()}
                for i in range(prof_args.batches)]
+    if prof_args.ladder:
+        return ladder_policy(recipe, model, batches, model_path or resolve_model_path(recipe.script.model))
     criterion = prof_args.criterion or DEFAULT_CRITERION
     # every rank profiles the same batches of the same weights, so every rank plans the same set
     profile = gnmr_hf.profile_sensitivity(model, batches, criteria=(criterion,),
@@ -281,6 +283,80 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
             print(f"recovery weights stored in {recipe.script.compute_dtype}: {scale:g} bytes held per BF16 byte, "
                   f"so the plan holds {record['held_bytes'] / 2**20:.2f} MiB of the {budget / 2**20:.2f} MiB budget")
         print(f"profile.json: llm_int8_skip_modules for a stock BitsAndBytesConfig: {len(plan.skip_modules())} names")
+    return policy, record
+
+
+def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any, dict[str, Any]]:
+    """``profile.rungs: [int8, bf16]``: the precision ladder (``gnmr_hf.planning.ladder``). Every decoder
+    linear's first-order gain on each rung is measured on ``batches`` with a stock-loaded NF4 model (a second
+    load, freed before training), the rungs are chosen under ``profile.budget`` (memory over the NF4 model,
+    weights and quant states as bitsandbytes stores them) by gain per byte, the dual path of ``model`` is
+    set to those rungs (``prepare_dual_path(..., rungs=...)``) and the planned linears run on them at every
+    step (``StaticPolicy``). Writes ``{output_dir}/profile.json`` with the ``rungs`` mapping that
+    ``gnmr_hf.load_planned(model_path, profile.json)`` serves from stock bitsandbytes modules.
+
+    Returns:
+        ``(policy, plan_record)``.
+    """
+    import gc
+
+    import torch
+
+    import gnmr_hf
+    from gnmr_hf.planning import memory_budget
+    from gnmr_hf.planning.ladder import _stock_low, choose_rungs, plan_gain, rung_gains
+    from gnmr_hf.planning.passes import _units
+
+    prof_args, args, script = recipe.profile, recipe.training, recipe.script
+    dtype = getattr(torch, script.compute_dtype)
+    t0 = time.time()
+    device = next(p.device for p in model.parameters())
+    stock = _stock_low(model_path, "nf4", dtype, double_quant=script.bnb_4bit_use_double_quant,
+                       device_map={"": device.index or 0} if device.type == "cuda" else None)
+    try:
+        ladder_units = rung_gains(stock, model_path, batches, "nf4", double_quant=script.bnb_4bit_use_double_quant)
+    finally:
+        del stock
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    over_low = memory_budget(prof_args.budget, model_path, [u.name for u in ladder_units], "nf4",
+                             double_quant=script.bnb_4bit_use_double_quant)
+    chosen = choose_rungs(ladder_units, over_low["over_low_bytes"], prof_args.rungs)
+    gain, price = plan_gain(ladder_units, chosen)
+    # the recovery path of every planned linear on its rung (INT8: Linear8bitLt over the checkpoint weight)
+    gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage, dtype=dtype,
+                              units="linears", rungs=chosen)
+    units = _units(model, "linears")
+    names = [u.modules for u in units]
+    indices = [i for i, mods in enumerate(names) if any(m in chosen for m in mods)]
+    if sum(len(names[i]) for i in indices) != len(chosen):
+        raise RecipeError(f"the ladder planned {len(chosen)} linears, the model's units hold "
+                          f"{sum(len(names[i]) for i in indices)} of them")
+    # what each unit's recovery path holds when active: a BF16 rung in the compute dtype, an INT8 rung its
+    # int8 weight and row scales
+    unit_bytes = [sum(m._gnmr_source.weight_bytes(m) for m in u.dual) for u in units]
+    policy = gnmr_hf.StaticPolicy(len(units), indices, max_active=max(1, len(indices)), unit_bytes=unit_bytes)
+    counts = {r: sum(1 for v in chosen.values() if v == r) for r in prof_args.rungs}
+    record = {"rungs": chosen, "rung_counts": counts, "indices": indices, "modules": sorted(chosen),
+              "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
+              "gain": gain, "over_low_bytes": price, "memory_budget": over_low,
+              "memory_over_nf4": price / over_low["low_model_bytes"], "held_bytes": policy.set_bytes,
+              "budget_bytes": over_low["over_low_bytes"], "policy": "static", "criterion": "first_order",
+              "profile_seconds": round(time.time() - t0, 2)}
+    if args.process_index == 0:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        saved = {"rungs": chosen, "plan": record,
+                 "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
+                           for u in ladder_units]}
+        tmp = Path(args.output_dir) / ".profile.json.tmp"
+        tmp.write_text(json.dumps(saved, indent=1) + "\n")
+        os.replace(tmp, Path(args.output_dir) / "profile.json")
+        print(f"the precision ladder at {prof_args.budget}: {', '.join(f'{v} {k}' for k, v in counts.items())} "
+              f"of {len(ladder_units)} linears, +{100 * record['memory_over_nf4']:.1f} % memory over the NF4 model "
+              f"({price / 2**20:.2f} MiB), first-order gain {gain:.4g}")
+        print("profile.json: serve the mixed model with gnmr_hf.load_planned(model_path, 'profile.json') "
+              "(no stock loader mixes 4- and 8-bit linears)")
     return policy, record
 
 

@@ -341,6 +341,12 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
             data = json.loads(path.read_text())
         except ValueError as e:
             raise EvalError(f"--skip-modules {text}: not JSON ({e})") from None
+        from gnmr_hf.planning.ladder import LADDER_SERVING, int8_rungs
+
+        int8 = int8_rungs(data)
+        if int8:
+            raise EvalError(f"--skip-modules {text}: a precision-ladder plan with {len(int8)} INT8 linears (e.g. "
+                            f"{int8[0]}), not a skip list: {LADDER_SERVING}")
         modules = data.get("skip_modules") if isinstance(data, dict) else None
         if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
             raise EvalError(f"--skip-modules {text}: no 'skip_modules' list of names in it (write one with "

@@ -90,7 +90,9 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
         raise ValueError("rung_gains needs a bitsandbytes-quantised model: no 4-bit/8-bit linear in its decoder layers")
     weights = _checkpoint_weights(model_path, names)
     modules = dict(model.named_modules())
-    int8 = {n: int8_linear(weights[n].to(torch.float32), int8_threshold) for n in names}
+    # each INT8 rung on its linear's device (a GPU-loaded model's hooks see CUDA inputs)
+    int8 = {n: int8_linear(weights[n].to(device=modules[n].weight.device, dtype=torch.float32), int8_threshold)
+            for n in names}
     units = [LadderUnit(n, weights[n].numel(), weights[n].shape[0],
                         prices=rung_prices(weights[n].numel(), weights[n].shape[0], low, double_quant))
              for n in names]
@@ -231,10 +233,12 @@ def plan_gain(units: list[LadderUnit], chosen: dict[str, str]) -> tuple[float, i
 
 
 def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os.PathLike, low: str = "nf4",
-                 dtype=None, compute_dtype=None, double_quant: bool = False, int8_threshold: float = 6.0):
+                 dtype=None, compute_dtype=None, double_quant: bool = False, int8_threshold: float = 6.0,
+                 device_map=None):
     """The mixed model from stock modules: ``rungs`` maps full linear names to ``"bf16"`` or ``"int8"``
-    (or is a JSON file with a ``"rungs"`` mapping); every other decoder linear is ``low`` (``nf4``,
-    ``fp4`` or ``int8``), ``lm_head`` stays unquantised."""
+    (or is a JSON file with a ``"rungs"`` mapping, such as the ``profile.json`` of a recipe run with
+    ``profile.rungs: [int8, bf16]``); every other decoder linear is ``low`` (``nf4``, ``fp4`` or ``int8``),
+    ``lm_head`` stays unquantised. ``device_map`` is ``from_pretrained``'s (e.g. ``{"": 0}``)."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -248,7 +252,7 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     else:
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_use_double_quant=double_quant,
                                bnb_4bit_compute_dtype=compute_dtype or dtype, llm_int8_skip_modules=skip)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q, device_map=device_map)
     modules = dict(model.named_modules())
     missing = [n for n in rungs if n not in modules or not isinstance(modules[n], torch.nn.Linear)]
     if missing:
@@ -259,11 +263,24 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
             continue
         parent_name, _, child = name.rpartition(".")
         old = modules[name]
-        new = int8_linear(weights[name].to(torch.float32), int8_threshold).train(old.training)
+        new = int8_linear(weights[name].to(device=old.weight.device, dtype=torch.float32),
+                          int8_threshold).train(old.training)
         if old.bias is not None:
             new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         setattr(modules[parent_name], child, new)
     return model
+
+
+def int8_rungs(data: Any) -> list[str]:
+    """The linears a plan file's ``rungs`` mapping puts on INT8 (a recipe's ``profile.json`` with
+    ``profile.rungs: [int8, bf16]``); ``[]`` for a BF16-only plan or anything else. Such a plan is no
+    ``llm_int8_skip_modules`` list: no stock loader mixes 4- and 8-bit linears, :func:`load_planned` serves it."""
+    rungs = data.get("rungs") if isinstance(data, dict) else None
+    return sorted(n for n, r in rungs.items() if r == "int8") if isinstance(rungs, dict) else []
+
+
+LADDER_SERVING = ("no stock checkpoint mixes 4- and 8-bit linears: serve it with gnmr_hf.load_planned(model_path, "
+                  "profile.json), or merge the adapter into the BF16 base")
 
 
 #: the ladder table's budgets: memory over the all-low model (weights and quant states, as loaded)
@@ -272,11 +289,12 @@ MEMORY_POINTS = (0.05, 0.10, 0.25)
 RUNG_SETS = (("bf16",), ("int8",), ("int8", "bf16"))
 
 
-def _stock_low(model_path, low: str, dtype, double_quant: bool = False, skip: list[str] | None = None):
+def _stock_low(model_path, low: str, dtype, double_quant: bool = False, skip: list[str] | None = None,
+               device_map=None):
     """The stock-loaded ``low`` model with ``skip`` on BF16 (:func:`load_planned` with BF16 rungs), in
     bitsandbytes' reference layout, in eval mode."""
     model = load_planned(model_path, {n: "bf16" for n in skip or []}, low, dtype=dtype, compute_dtype=dtype,
-                         double_quant=double_quant)
+                         double_quant=double_quant, device_map=device_map)
     if low != "int8":
         _reference_layout(model)
     return model.eval()
