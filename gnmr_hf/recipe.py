@@ -302,7 +302,7 @@ class ProfileArguments:
 def _parse_rungs(value: Any) -> tuple[str, ...]:
     """``[int8, bf16]`` (a list), ``"int8,bf16"`` (the command line) or ``"bf16"`` -> ``("int8", "bf16")``,
     cheapest first; a one-line ``RecipeError`` for anything else."""
-    from gnmr_hf.backends.recovery import RUNGS
+    from gnmr_hf.planning.ladder import RUNGS
 
     items = [str(v).strip() for v in value] if isinstance(value, (list, tuple)) else \
         [v.strip() for v in str(value).split(",")] if isinstance(value, str) else None

@@ -63,6 +63,18 @@ from gnmr_hf.units import UnitSpec, resolve_units, unwrap_model
 RUNGS = ("int8", "bf16")
 
 
+def int8_rungs(data: Any) -> list[str]:
+    """The linears a plan file's ``rungs`` mapping puts on INT8 (a recipe's ``profile.json`` with
+    ``profile.rungs: [int8, bf16]``); ``[]`` for a BF16-only plan or anything else. Such a plan is no
+    ``llm_int8_skip_modules`` list: no stock loader mixes 4- and 8-bit linears, ``gnmr_hf.load_planned`` serves it."""
+    rungs = data.get("rungs") if isinstance(data, dict) else None
+    return sorted(n for n, r in rungs.items() if r == "int8") if isinstance(rungs, dict) else []
+
+
+LADDER_SERVING = ("no stock checkpoint mixes 4- and 8-bit linears: serve it with gnmr_hf.load_planned(model_path, "
+                  "profile.json), or merge the adapter into the BF16 base")
+
+
 def check_rungs(rungs: dict[str, str]) -> None:
     """Raise ``ValueError`` naming every entry of ``rungs`` (linear name -> rung) that is not one of :data:`RUNGS`."""
     bad = {n: r for n, r in rungs.items() if r not in RUNGS}

@@ -341,7 +341,7 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
             data = json.loads(path.read_text())
         except ValueError as e:
             raise EvalError(f"--skip-modules {text}: not JSON ({e})") from None
-        from gnmr_hf.planning.ladder import LADDER_SERVING, int8_rungs
+        from gnmr_hf.backends.recovery import LADDER_SERVING, int8_rungs
 
         int8 = int8_rungs(data)
         if int8:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.backends.recovery import RUNGS, check_rungs, int8_linear
+from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear, int8_rungs  # noqa: F401
 
 
 @dataclass
@@ -269,18 +269,6 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
             new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         setattr(modules[parent_name], child, new)
     return model
-
-
-def int8_rungs(data: Any) -> list[str]:
-    """The linears a plan file's ``rungs`` mapping puts on INT8 (a recipe's ``profile.json`` with
-    ``profile.rungs: [int8, bf16]``); ``[]`` for a BF16-only plan or anything else. Such a plan is no
-    ``llm_int8_skip_modules`` list: no stock loader mixes 4- and 8-bit linears, :func:`load_planned` serves it."""
-    rungs = data.get("rungs") if isinstance(data, dict) else None
-    return sorted(n for n, r in rungs.items() if r == "int8") if isinstance(rungs, dict) else []
-
-
-LADDER_SERVING = ("no stock checkpoint mixes 4- and 8-bit linears: serve it with gnmr_hf.load_planned(model_path, "
-                  "profile.json), or merge the adapter into the BF16 base")
 
 
 #: the ladder table's budgets: memory over the all-low model (weights and quant states, as loaded)
