@@ -1120,7 +1120,7 @@ def report(args: argparse.Namespace) -> str:
              "BF16 bytes; mean and peak during training); memory over NF4: what the served model's weights cost "
              "over the all-NF4 model's, in the ladder table's currency; training peak: the largest peak RSS of the "
              "method's runs (FP32 compute, every linear's BF16 recovery weight held on the host).", "",
-             "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | training peak (GiB) "
+             "| method | seeds | served bytes | memory over NF4 | mean / peak training bytes | training peak (GiB, max) "
              "| loss served | gap closed served | loss merged | gap closed merged | step s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     prof = read_ladder_profile(out)
@@ -1168,9 +1168,9 @@ def report(args: argparse.Namespace) -> str:
                   "bitsandbytes stores them, over the all-NF4 model's): each linear on NF4, INT8 or BF16 by the "
                   "first-order gain per byte of each rung (profile_ladder.json), against the same knapsack with one "
                   "rung; the profiled BF16 plans of the first table (budgets in BF16 bytes) at what they cost in "
-                  "this currency. Training peak: the run's peak RSS (FP32 compute, every linear's BF16 recovery "
+                  "this currency. Training peak: the median over seeds of the runs' peak RSS (FP32 compute, every linear's BF16 recovery "
                   "weight held on the host).", "",
-                  "| method | seeds | INT8 / BF16 linears | memory over NF4 | training peak (GiB) | gap closed served "
+                  "| method | seeds | INT8 / BF16 linears | memory over NF4 | training peak (GiB, median) | gap closed served "
                   "| gap closed merged |", "|---|---|---|---|---|---|---|", *ladder_rows]
     text = "\n".join(lines)
     if args.plot:
