@@ -282,7 +282,7 @@ class ProfileArguments:
             out.gnmr_share = float(share)
         if "rungs" in block:
             out.rungs = _parse_rungs(block["rungs"])
-        if out.ladder:
+        if out.ladder and out.enabled:  # policy gnmr takes no profile: the paper's controller, one line away
             rungs = ", ".join(out.rungs)
             if memory is None:
                 raise RecipeError(f"profile.rungs [{rungs}] plans under memory over the NF4 model: write profile.budget "

@@ -52,6 +52,19 @@ def test_bad_ladder_settings_are_one_line_errors(argv, message):
     assert "\n" not in str(e.value)
 
 
+def test_policy_gnmr_is_the_papers_controller_one_line_away_from_the_ladder_too():
+    ladder = finetune.validate(finetune.load_config(["--config", str(SMOL / "planned-ladder-nf4.yaml"),
+                                                     "--profile.policy", "gnmr", "--output_dir", "x"]))
+    paper = finetune.validate(finetune.load_config(["--config", str(SMOL / "gnmr-nf4.yaml"), "--output_dir", "x"]))
+    assert not ladder.profile.enabled and ladder.script == paper.script
+    assert ladder.gnmr.to_dict() == paper.gnmr.to_dict() and ladder.training.to_dict() == paper.training.to_dict()
+    # rungs given beside policy gnmr by the user is refused, as every other profile key is
+    with pytest.raises(finetune.RecipeError, match=r"profile\.rungs \(set on the command line\) has no effect with "
+                                                   r"profile\.policy gnmr"):
+        finetune.validate(finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"), "--profile.policy", "gnmr",
+                                                "--profile.rungs", "int8,bf16"]))
+
+
 def _batches(n: int = 4, bs: int = 2, seq: int = 12):
     import torch
 
