@@ -1060,6 +1060,35 @@ def curve_table(runs) -> list[str]:
     return lines
 
 
+def train_window_gap_closed(runs, method: str, width: int = 30) -> dict[tuple[int, int], list[float]]:
+    """Gap closed on the *training* loss (the base each run trains on: the served route), window by window:
+    per seed ``(mean L_nf4 - mean L) / (mean L_nf4 - mean L_bf16)`` over steps ``[a, a + width)`` of that seed's
+    own nf4 and bf16 runs (the same data order). Only whole windows that every one of the three runs reached."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for r, lo, hi in _with_references(runs, method):
+        n = min(len(r.get("train_losses") or []), len(lo.get("train_losses") or []), len(hi.get("train_losses") or []))
+        for a in range(0, n - width + 1, width):
+            mean = [statistics.mean(x["train_losses"][a:a + width]) for x in (r, lo, hi)]
+            if mean[1] != mean[2]:
+                out.setdefault((a + 1, a + width), []).append((mean[1] - mean[0]) / (mean[1] - mean[2]))
+    return out
+
+
+def train_window_table(runs, width: int = 30) -> list[str]:
+    """The training-loss gap closed window by window (median [min, max] over seeds): empty unless the runs
+    hold at least two windows (a run of ``2 * width`` steps or more)."""
+    rows = {m: train_window_gap_closed(runs, m, width) for m in _method_order(runs, skip=REFERENCES)}
+    windows = sorted({w for at in rows.values() for w in at})
+    if len(windows) < 2:
+        return []
+    med = nf4_bench._med_range
+    lines = ["| method | " + " | ".join(f"steps {a}-{b}" for a, b in windows) + " |", "|---|" + "---|" * len(windows)]
+    for m, at in rows.items():
+        if at:
+            lines.append(f"| {m} | " + " | ".join(med(at[w], ".2f") if w in at else "-" for w in windows) + " |")
+    return lines
+
+
 def _gap_axes(ax, xlabel: str, title: str) -> None:
     """One panel of a gap-closed plot: the 0 (NF4) and 1 (BF16) lines, its labels."""
     ax.axhline(0, color="grey", lw=0.5)
@@ -1155,6 +1184,12 @@ def report(args: argparse.Namespace) -> str:
         lines += ["", "Along the run (`--eval-every`): gap closed per route at every evaluated step, each seed against "
                   "its own nf4 and bf16 runs at the same step (one learning-rate schedule over the whole run, so a "
                   "point is not a shorter run's end); median [min, max] over seeds.", "", *curve_rows]
+    window_rows = train_window_table(runs)
+    if window_rows:
+        lines += ["", "On the training loss (the base each run trains on, so the served route; the stream of training "
+                  "batches, not held out): gap closed in windows of 30 steps, each seed against the mean losses of its "
+                  "own nf4 and bf16 runs over the same steps (the same data order); median [min, max] over seeds.", "",
+                  *window_rows]
     bundled_rows = bundled_table(out)
     if bundled_rows:
         lines += ["", f"Bundled eval (gnmr_hf.evaluation on the offline set: {BUNDLED_TASKS}; zero-shot, 24 documents, "

@@ -481,3 +481,33 @@ def test_the_length_curve_scores_each_step_against_the_same_steps_references(tmp
     (tmp_path / "bf16" / "seed0" / "result.json").unlink()
     (tmp_path / "bf16" / "seed1" / "result.json").unlink()
     assert qb.curve_table(qb.collect(tmp_path)) == []
+
+
+def _with_train_losses(root, method, seed, losses):
+    path = root / method / f"seed{seed}" / "result.json"
+    r = json.loads(path.read_text())
+    path.write_text(json.dumps({**r, "train_losses": losses}))
+
+
+def test_the_training_loss_gap_is_closed_window_by_window_against_each_seeds_references(tmp_path):
+    # 60 steps = two windows of 30; per window the mean losses: bf16 2.0 then 1.0, nf4 3.0 then 2.0
+    ref = {"bf16": [2.0] * 30 + [1.0] * 30, "nf4": [3.0] * 30 + [2.0] * 30}
+    for seed in (0, 1):
+        for m in ("bf16", "nf4", "prof-op-10"):
+            _result(tmp_path, m, seed, 1.5, 1.5)
+        for m, losses in ref.items():
+            _with_train_losses(tmp_path, m, seed, losses)
+    # seed 0: window 1 mean 2.5 (alternating 2.0 / 3.0) -> 0.5; window 2 all 1.8 -> (2 - 1.8) / 1 = 0.2
+    _with_train_losses(tmp_path, "prof-op-10", 0, [2.0, 3.0] * 15 + [1.8] * 30)
+    # seed 1: window 1 2.2 -> 0.8; its window 2 cut short (45 steps): left out, not scored on a part
+    _with_train_losses(tmp_path, "prof-op-10", 1, [2.2] * 45)
+    runs = qb.collect(tmp_path)
+    at = qb.train_window_gap_closed(runs, "prof-op-10")
+    assert list(at) == [(1, 30), (31, 60)]
+    assert at[(1, 30)] == pytest.approx([0.5, 0.8]) and at[(31, 60)] == pytest.approx([0.2])
+    assert qb.train_window_table(runs) == ["| method | steps 1-30 | steps 31-60 |", "|---|---|---|",
+                                           "| prof-op-10 | 0.65 [0.50, 0.80] | 0.20 |"]  # one seed: no range
+    text = qb.report(type("A", (), {"out": str(tmp_path), "plot": None})())
+    assert "| prof-op-10 | 0.65 [0.50, 0.80] | 0.20 |" in text
+    # one window only (a 30-step folder): no table
+    assert qb.train_window_table(runs, width=60) == []
