@@ -14,7 +14,8 @@ bytes (``rand-op``'s of seed 0). Writes ``late_profile.json`` in ``--out``.
         --root bench/results/qlora_smollm2_pydocs_90 --data-dir bench/results/qlora_smollm2_pydocs_90/data \\
         --save-adapter bench/results/late_profile_smollm2_pydocs/adapter
     python bench/late_profile.py --root bench/results/qlora_smollm2_pydocs_90 \\
-        --adapter bench/results/late_profile_smollm2_pydocs/adapter --out bench/results/late_profile_smollm2_pydocs
+        --adapter bench/results/late_profile_smollm2_pydocs/adapter --out bench/results/late_profile_smollm2_pydocs \\
+        --write-profile      # ROOT/profile_late.json: qlora_budget.py's late-op-10 trains with that plan from step 1
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=2)
     p.add_argument("--eval-problems", type=int, default=48)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--write-profile", action="store_true",
+                   help="also write the trained-point profile to ROOT/profile_late.json (qlora_budget's late-op plans)")
     args = p.parse_args(argv)
 
     import torch
@@ -122,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
               "late_losses": {k: prof.losses[k] for k in ("low", "high")}, "rows": rows,
               "sets": {k: [names[i] for i in v] for k, v in sets.items()},
               "late_scores": [{"name": n, "score": s} for n, s in zip(names, late)]}
+    if args.write_profile:  # profile.json's layout, so that qlora_budget's late-op plans read it as prof-op reads that
+        late_profile = {"criterion": DEFAULT_CRITERION, "batches": args.batches, "seconds": round(seconds, 1),
+                        "adapter": str(args.adapter), "losses": record["late_losses"],
+                        "units": [{"name": n, "bytes": int(b), "score": s} for n, b, s in zip(names, ub, late)]}
+        tmp = root / ".profile_late.json.tmp"
+        tmp.write_text(json.dumps(late_profile, indent=1) + "\n")
+        os.replace(tmp, qb.late_path(root))
     tmp = out / ".late_profile.json.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, out / "late_profile.json")

@@ -32,6 +32,8 @@ method                  linears on the BF16 path
                         profile batches' inputs (the ``output`` criterion), fixed
 ``heur-op-B``           a fixed rule of the kind practitioners ship: the down_proj of layers 0-1, then
                         every layer's v_proj, then the other down_proj in layer order, filling B
+``late-op-B``           the profile taken at a trained point (``profile_late.json``: ``bench/late_profile.py`` with a
+                        trained ``nf4`` adapter in place), greedy by its first-order gain per byte, fixed from step 1
 ``lad-M``               the precision ladder (gnmr_hf.planning.ladder): each linear on NF4, INT8 or BF16, chosen
                         by the first-order gain of each rung per byte (``rung_gains``, a multiple-choice
                         knapsack, ``choose_rungs``) under a budget of **M % memory over the NF4 model** (weights
@@ -142,7 +144,8 @@ PROFILED = ("prof-op", "prof-layer", "hybrid", "loftq+prof-op")
 DATALESS = {"werr-op": "weight_error", "out-op": "output"}
 HEURISTIC_EARLY_LAYERS = 2  # heur-op: down_proj of the first two layers, then every v_proj, then more down_proj
 DYNAMIC = ("rand-step", "gnmr-layer", "gnmr-op")  # no fixed set: served on the all-NF4 base
-STATIC = ("prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op", "werr-op", "out-op", "heur-op")  # fixed sets
+STATIC = ("prof-op", "prof-layer", "rand-op", "edge", "loftq+prof-op", "werr-op", "out-op", "heur-op",
+          "late-op")  # fixed sets
 OPS_PER_LAYER = 7
 
 
@@ -196,7 +199,7 @@ def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] |
     total = sum(unit_bytes)
     budget = total * pct // 100
     U = len(unit_bytes)
-    if kind in ("prof-op", "loftq+prof-op", "werr-op", "out-op"):
+    if kind in ("prof-op", "loftq+prof-op", "werr-op", "out-op", "late-op"):
         return greedy_select(scores, unit_bytes, budget)
     if kind == "heur-op":
         if names is None or len(names) != U:
@@ -291,6 +294,11 @@ def profile_path(out_root: Path) -> Path:
 
 def dataless_path(out_root: Path) -> Path:
     return out_root / "profile_dataless.json"
+
+
+def late_path(out_root: Path) -> Path:
+    """The profile at a trained point (``bench/late_profile.py --write-profile``), the ``late-op`` plans' scores."""
+    return out_root / "profile_late.json"
 
 
 def ladder_path(out_root: Path) -> Path:
@@ -549,6 +557,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     out_root = Path(args.root) if getattr(args, "root", None) else out.parent.parent  # profile.json, data/
     data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
+    needed = (profile_path(out_root) if kind in PROFILED else late_path(out_root) if kind == "late-op"
+              else dataless_path(out_root) if kind in DATALESS else ladder_path(out_root) if kind in LADDER else None)
+    if needed is not None and not needed.is_file():  # before the model loads
+        raise SystemExit(f"{args.method} needs {needed} (" + ("late-op: run bench/late_profile.py --write-profile first"
+                         if kind == "late-op" else "the plan subcommand writes it before the runs") + ")")
     rungs = ladder_plan(kind, pct, json.loads(ladder_path(out_root).read_text())) if kind in LADDER else None
     setting = read_setting(out_root)
     model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir, rungs=rungs, setting=setting)
@@ -559,12 +572,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     budget = total * pct // 100
     scores = None
     names = [gnmr_hf.units.short_name(n) for n, _ in units]
-    if kind in PROFILED or kind in DATALESS:
-        path = profile_path(out_root) if kind in PROFILED else dataless_path(out_root)
+    if kind in PROFILED or kind in DATALESS or kind == "late-op":
+        path = (profile_path(out_root) if kind in PROFILED else late_path(out_root) if kind == "late-op"
+                else dataless_path(out_root))
         prof = json.loads(path.read_text())
         if [u["name"] for u in prof["units"]] != names:
             raise SystemExit(f"{path.name} names other units than this model's")
-        scores = [u["score" if kind in PROFILED else DATALESS[kind]] for u in prof["units"]]
+        scores = [u[DATALESS[kind]] if kind in DATALESS else u["score"] for u in prof["units"]]
 
     import finetune
 

@@ -35,7 +35,7 @@ def test_late_profile_on_a_trained_smollm2_adapter(tmp_path, smollm2_dir):
                    check=True, capture_output=True)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "late_profile.py"), "--root", str(root), "--adapter",
                            str(root / "adapter"), "--out", str(tmp_path / "late"), "--batches", "1",
-                           "--eval-problems", "4"], check=True, capture_output=True, text=True)
+                           "--eval-problems", "4", "--write-profile"], check=True, capture_output=True, text=True)
     record = json.loads((tmp_path / "late" / "late_profile.json").read_text())
     rows = record["rows"]
     table = json.loads((root / "nf4" / "seed0" / "result.json").read_text())
@@ -56,3 +56,10 @@ def test_late_profile_on_a_trained_smollm2_adapter(tmp_path, smollm2_dir):
     for label, scores in (("init plan", [u["score"] for u in init["units"]]), ("late plan", late)):
         assert record["sets"][label] == [names[i] for i in greedy_select(scores, ub, sum(ub) * 10 // 100)]
     assert "| late plan |" in proc.stdout
+    # --write-profile: the trained-point scores in profile.json's layout, which qlora_budget's late-op plans read
+    written = json.loads((root / "profile_late.json").read_text())
+    assert [u["name"] for u in written["units"]] == names and [u["score"] for u in written["units"]] == late
+    assert [u["bytes"] for u in written["units"]] == ub
+    qb = load_bench("qlora_budget")
+    assert qb.parse_method("late-op-10") == ("late-op", 10)
+    assert [names[i] for i in qb.static_set("late-op", 10, ub, late, 0)] == record["sets"]["late plan"]

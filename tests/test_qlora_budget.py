@@ -511,3 +511,12 @@ def test_the_training_loss_gap_is_closed_window_by_window_against_each_seeds_ref
     assert "| prof-op-10 | 0.65 [0.50, 0.80] | 0.20 |" in text
     # one window only (a 30-step folder): no table
     assert qb.train_window_table(runs, width=60) == []
+
+
+def test_a_late_plan_without_its_profile_is_refused_in_one_line(tmp_path):
+    root = tmp_path / "bench"
+    root.mkdir()
+    with pytest.raises(SystemExit, match=r"late-op-10 needs .*profile_late\.json \(late-op: run bench/late_profile\.py "
+                                         r"--write-profile first\)"):
+        qb.main(["run", "--method", "late-op-10", "--seed", "0", "--out", str(root / "late-op-10" / "seed0"),
+                 "--steps", "1"])
