@@ -557,8 +557,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     out_root = Path(args.root) if getattr(args, "root", None) else out.parent.parent  # profile.json, data/
     data_dir = Path(args.data_dir) if args.data_dir else out_root / "data"
-    needed = (profile_path(out_root) if kind in PROFILED else late_path(out_root) if kind == "late-op"
-              else dataless_path(out_root) if kind in DATALESS else ladder_path(out_root) if kind in LADDER else None)
+    scores_file = (profile_path(out_root) if kind in PROFILED else late_path(out_root) if kind == "late-op"
+                   else dataless_path(out_root) if kind in DATALESS else None)  # the plan's per-linear scores
+    needed = scores_file or (ladder_path(out_root) if kind in LADDER else None)
     if needed is not None and not needed.is_file():  # before the model loads
         raise SystemExit(f"{args.method} needs {needed} (" + ("late-op: run bench/late_profile.py --write-profile first"
                          if kind == "late-op" else "the plan subcommand writes it before the runs") + ")")
@@ -572,12 +573,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     budget = total * pct // 100
     scores = None
     names = [gnmr_hf.units.short_name(n) for n, _ in units]
-    if kind in PROFILED or kind in DATALESS or kind == "late-op":
-        path = (profile_path(out_root) if kind in PROFILED else late_path(out_root) if kind == "late-op"
-                else dataless_path(out_root))
-        prof = json.loads(path.read_text())
+    if scores_file is not None:
+        prof = json.loads(scores_file.read_text())
         if [u["name"] for u in prof["units"]] != names:
-            raise SystemExit(f"{path.name} names other units than this model's")
+            raise SystemExit(f"{scores_file.name} names other units than this model's")
         scores = [u[DATALESS[kind]] if kind in DATALESS else u["score"] for u in prof["units"]]
 
     import finetune

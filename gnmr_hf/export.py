@@ -66,9 +66,10 @@ def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, An
     from gnmr_hf.planning.ladder import LADDER_SERVING, int8_rungs
 
     try:
-        int8 = int8_rungs(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except ValueError:
-        int8 = []
+        data = None  # SensitivityProfile.from_json says what is wrong with it, in one line
+    int8 = int8_rungs(data)
     if int8:
         raise ExportError(f"{path} is a precision-ladder plan with {len(int8)} INT8 linears (e.g. {int8[0]}): "
                           f"{LADDER_SERVING}")
@@ -76,7 +77,6 @@ def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, An
         SensitivityProfile.from_json(path)  # validates the fields (one-line errors naming them)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    data = json.loads(path.read_text())
     skips = data.get("skip_modules")
     if not isinstance(skips, list) or not all(isinstance(s, str) for s in skips) or not skips:
         raise ExportError(f"{path} has no skip_modules list: make it with gnmr-hf profile --budget")
