@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -428,7 +429,9 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
     start, losses, val_losses, resumed, saved_mask = 0, [], [], None, None
     val_train_path: list[list] = []  # not carried over a resume: the path may have changed
     if cfg.resume_from:
-        ckpt = torch.load(cfg.resume_from, weights_only=False)
+        # weights_only: a checkpoint is a user-given path; tensors, numbers, lists and dicts are all it holds,
+        # so nothing in it may run code when it is read (a crafted pickle is refused by torch's safe unpickler)
+        ckpt = load_checkpoint(cfg.resume_from)
         student.load_state_dict(ckpt["student"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
@@ -534,6 +537,27 @@ def run(cfg: ProxyConfig) -> dict[str, Any]:
     return result
 
 
+class CheckpointError(ValueError):
+    """A ``resume_from`` file that is missing or not a checkpoint of this script."""
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """A checkpoint :func:`save_checkpoint` wrote, read with ``torch.load(..., weights_only=True)``: only
+    tensors and plain containers are unpickled, so a file that would run code when unpickled is refused.
+
+    Raises:
+        CheckpointError: the file is missing or not such a checkpoint (one line naming it).
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"resume_from {path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"resume_from {path}: refused, not a plain checkpoint (torch.load with "
+                              f"weights_only=True: {first})") from None
+
+
 def save_checkpoint(cfg: ProxyConfig, step: int, student: Student, opt, sched, data: torch.Generator,
                     policy: Any, mask: torch.Tensor | None, losses: list[float], val_losses: list) -> Path:
     """Everything needed to continue the run exactly: weights, Adam, schedule, data RNG, policy, history."""
@@ -573,7 +597,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, str | None]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg, out = parse_args(argv)
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except CheckpointError as e:
+        raise SystemExit(f"mx_proxy: {e}") from None
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)

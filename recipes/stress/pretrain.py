@@ -157,7 +157,7 @@ def tokenize_files(tokenizer, files: list[Path], cache_dir: Path, tag: str) -> t
     """Concatenate the files' token ids, an EOS after each document (cached as int32)."""
     path = cache_dir / f"ids-{tag}-{_fingerprint(files, tokenizer.vocab_size)}.pt"
     if path.is_file():
-        return torch.load(path)
+        return torch.load(path, weights_only=True)  # a cached int32 tensor: nothing in it may run code
     ids: list[int] = []
     for f in files:
         ids.extend(tokenizer(f.read_text(encoding="utf-8", errors="replace"))["input_ids"])
