@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from gnmr_hf.export_folder import OutputFolderError, check_output, staged_output
 
 QUANTS = ("nf4", "fp4", "int8")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -95,22 +97,19 @@ def _check_model_folder(model_path: Path) -> dict[str, Any]:
     return config
 
 
-def _check_out(out_dir: Path, force: bool) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        if not force:
-            raise ExportError(f"{out_dir} exists and is not empty: choose another folder or pass --force")
-        if not out_dir.is_dir():
-            raise ExportError(f"{out_dir} is a file")
-
-
 def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLike, out_dir: str | os.PathLike,
                    quant: str = "nf4", adapter: str | os.PathLike | None = None, merge: bool = False,
-                   force: bool = False, double_quant: bool = False) -> dict[str, Any]:
+                   force: bool = False, double_quant: bool = False, model_name: str | None = None) -> dict[str, Any]:
     """Write the planned mixed model (or, with ``merge``, the merged BF16 model) to ``out_dir``.
 
     Returns a summary: the folder, its size on disk, the all-low and BF16 sizes for comparison, the kept
-    modules. Bad input raises :class:`ExportError` before anything is written; the folder is built beside
-    ``out_dir`` and renamed into place, so an interrupted export leaves no half-written folder.
+    modules. Bad input raises :class:`ExportError` before anything is written. ``out_dir`` follows
+    :mod:`gnmr_hf.export_folder`'s contract: never the model folder, the adapter's or the profile's folder,
+    the current folder or a folder holding any of them; ``force`` replaces only an earlier export (it holds
+    ``.gnmr_export.json``); the folder is built beside ``out_dir`` and renamed into place (an earlier export
+    renamed aside and removed last), so an interrupted export leaves the old one intact and no half-written
+    folder. ``model_name``: how the model card names the source (default: its offline alias or folder name,
+    never an absolute path).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -126,7 +125,16 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
         raise ExportError("--merge folds an adapter into the BF16 weights: give --adapter DIR")
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
-    _check_out(out_dir, force)
+    plan_path = Path(profile_json)
+    protect = [("model folder", model_path, True),
+               ("profile's folder", plan_path if plan_path.is_dir() else plan_path.parent, False)]
+    if adapter is not None:
+        protect.append(("adapter folder", Path(adapter), True))
+    try:
+        out_dir = check_output(out_dir, force=force, protect=protect)
+    except OutputFolderError as e:
+        raise ExportError(str(e)) from None
+    name = model_name or source_name(model_path)
 
     # the plan must name this model's linears: every entry selects exactly one module, under both rules
     with torch.device("meta"):
@@ -152,9 +160,8 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
                           f"linears and {meta.config.num_hidden_layers} layers: a profile of another model")
     del meta
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    marker = {"model": name, "kind": "merged-bf16" if merge else quant, "skip_modules": skips}
+    with staged_output(out_dir, marker) as tmp:
         if merge:
             import peft
 
@@ -183,30 +190,80 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
         bf16_size = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         summary = {"folder": str(out_dir), "kind": kind, "quant": None if merge else quant, "kept": skips,
                    "bytes_on_disk": size, "bf16_checkpoint_bytes": bf16_size, "all_low_weights_bytes": all_low_bytes, "weights_held_bytes": held["total"],
-                   "plan": profile.get("plan"), "price": profile.get("price")}
-        (tmp / "README.md").write_text(model_card(summary, model_path, adapter is not None, merge))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+                   "plan": profile.get("plan"), "price": profile.get("price"), "model": name,
+                   "profile_batches": profile.get("batches"), "profile_tokens": profile.get("tokens"),
+                   "heldout_batches": _heldout_batches(profile)}
+        (tmp / "README.md").write_text(model_card(summary, name, adapter is not None, merge))
     return summary
 
 
-def model_card(summary: dict[str, Any], model_path: Path, has_adapter: bool, merge: bool) -> str:
-    """The exported folder's README.md: what was kept and why, the price, the commands."""
+# the offline aliases' recipe folders (the card's fine-tune command); another model gets the SmolLM2 recipe as a template
+_RECIPE_DIRS = {"smollm2-135m-instruct": "smollm2-135m", "gemma3-270m": "gemma3-270m"}
+# where the measured after-training results of the planned recipes are (the gnmr_hf sources' docs)
+AFTER_TRAINING_DOCS = ("docs/qlora_budget.md (the gnmr_hf sources): held-out loss after LoRA fine-tuning of the "
+                       "planned recipes against NF4 and BF16, served and merged, over seeds: \"Results\" and \"At 240 "
+                       "steps\" (SmolLM2-135M), \"Gemma 3 270M on the Python docs\", \"SmolLM2 on the Python docs\"")
+
+
+def source_name(model_path: str | os.PathLike) -> str:
+    """How the card names the source model: its offline alias (``gnmr_hf.offline.gguf_models``) when the folder
+    is one's converted checkpoint, else the folder's name; never an absolute path (the card is published)."""
+    from gnmr_hf.offline.gguf_models import MODELS
+
+    name = Path(model_path).name
+    return name if name in MODELS else name or "model"
+
+
+def _heldout_batches(profile: dict[str, Any]) -> int | None:
+    """``--heldout-batches N`` as the profile's recorded command gave it (None when not recorded)."""
+    try:
+        argv = shlex.split(str(profile.get("command") or ""))
+    except ValueError:
+        return None
+    for i, a in enumerate(argv):
+        value = argv[i + 1] if a == "--heldout-batches" and i + 1 < len(argv) else (
+            a.split("=", 1)[1] if a.startswith("--heldout-batches=") else None)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _batches(n: Any) -> str:
+    return f"{n} batch{'es' if n != 1 else ''}" if isinstance(n, int) else "batches (count not recorded)"
+
+
+def finetune_command(model: str) -> str:
+    """A fine-tune command that works for an export of ``model``: the planned recipe on the BF16 source
+    (it profiles and plans on its own training data and reads that checkpoint as the recovery source),
+    never the exported folder (a pre-quantised folder cannot be its own recovery source)."""
+    folder = _RECIPE_DIRS.get(model, "smollm2-135m")
+    source = model if model in _RECIPE_DIRS else f"BF16_MODEL_FOLDER  # the folder {model} was exported from"
+    return f"accelerate launch recipes/finetune.py --config recipes/{folder}/planned-nf4.yaml --model {source}"
+
+
+def model_card(summary: dict[str, Any], model: str | os.PathLike, has_adapter: bool, merge: bool) -> str:
+    """The exported folder's README.md: what was kept and why, the price, the quality figures with what they
+    are (in-sample on N profile batches; held-out when measured; where the after-training results are),
+    the commands. ``model`` names the source (a path is reduced to :func:`source_name`: the card never
+    records an absolute path)."""
     mib = 2**20
+    name = model if isinstance(model, str) else source_name(model)
     plan = summary.get("plan") or {}
+    n_prof = summary.get("profile_batches")
+    n_held = summary.get("heldout_batches")
+    labels = {"profile": "in-sample", "heldout": "held-out"}
     lines = ["---", "library_name: transformers", "tags: [gnmr_hf, bitsandbytes, mixed-precision]", "---", "",
-             f"# {model_path.name}: {summary['kind']}", "",
-             f"Exported by `gnmr-hf export` from `{model_path}`.", ""]
+             f"# {name}: {summary['kind']}", "",
+             f"Exported by `gnmr-hf export` from the BF16 checkpoint of `{name}`.", ""]
     if merge:
         lines += ["The LoRA adapter is folded into the original BF16 weights: a plain BF16 checkpoint.", ""]
     else:
         lines += [f"The linears below stay in BF16; every other decoder linear is stored by bitsandbytes in "
                   f"{summary['quant'].upper()}. They were chosen by `gnmr-hf profile`: the linears worth the most "
-                  "held-out loss per byte on the user's data, within the budget.", "",
+                  f"loss per byte on the profile's {_batches(n_prof)} of the user's data, within the budget.", "",
                   "Kept unquantised (`quantization_config.llm_int8_skip_modules`, full dotted names: each selects "
                   "exactly its module under transformers' and vLLM's matching rules):", ""]
         lines += [f"- `{m}`" for m in summary["kept"]]
@@ -228,22 +285,44 @@ def model_card(summary: dict[str, Any], model_path: Path, has_adapter: bool, mer
         # each kept linear costs its BF16 bytes less its low bytes: 1.4375 of 2 for NF4/FP4, ~1 of 2 for INT8
         ratio = 2 / 1.4375 if low in ("NF4", "FP4") else 2.0
         lines += [f"The price table of the profile, in both currencies (memory over {low} from BF16 bytes by "
-                  f"the per-weight price, {ratio:.3f} BF16 bytes per byte over {low}):", "",
-                  f"| budget (BF16 bytes of the quantised linears) | linears kept | extra MiB (BF16) | memory over {low} |"
-                  " measured gap closed |", "|---|---|---|---|---|"]
+                  f"the per-weight price, {ratio:.3f} BF16 bytes per byte over {low}); gap closed before training, "
+                  f"in-sample on the {_batches(n_prof)} the plan was chosen on, held-out where the profile measured it:",
+                  "", f"| budget (BF16 bytes of the quantised linears) | linears kept | extra MiB (BF16) | memory over {low} |"
+                  " gap closed before training |", "|---|---|---|---|---|"]
         for row in price:
-            gaps = ", ".join(f"{w} {m.get('gap_closed', float('nan')):.3f}" for w, m in (row.get("measured") or {}).items())
+            gaps = ", ".join(f"{labels.get(w, w)} {m.get('gap_closed', float('nan')):.3f}"
+                             for w, m in (row.get("measured") or {}).items())
             lines.append(f"| {100 * row.get('budget_fraction', 0):.0f} % | {len(row.get('indices', []))} | "
                          f"{row.get('bytes', 0) / mib:.1f} | "
                          f"+{100 * row.get('bytes', 0) / ratio / summary['all_low_weights_bytes']:.1f} % | {gaps or '-'} |")
         lines.append("")
     if plan:
-        lines.append(f"Plan: {len(plan.get('indices', []))} linears, {100 * plan.get('fraction', 0):.1f} % of the "
-                     "quantised weights' BF16 bytes.")
-        for where, m in (plan.get("measured") or {}).items():
-            lines.append(f"Measured gap closed on {where}: {m.get('gap_closed', float('nan')):.3f} "
-                         f"(loss all-low {m.get('loss_low', float('nan')):.4f}, plan {m.get('loss_plan', float('nan')):.4f}, "
-                         f"BF16 {m.get('loss_high', float('nan')):.4f}).")
+        measured = plan.get("measured") or {}
+        lines += [f"Plan: {len(plan.get('indices', []))} linears, {100 * plan.get('fraction', 0):.1f} % of the "
+                  "quantised weights' BF16 bytes. Gap closed = (L_low - L_plan) / (L_low - L_BF16), before any training:", ""]
+
+        def losses(m: dict[str, Any]) -> str:
+            return (f"loss all-low {m.get('loss_low', float('nan')):.4f}, plan {m.get('loss_plan', float('nan')):.4f}, "
+                    f"BF16 {m.get('loss_high', float('nan')):.4f}")
+
+        if "profile" in measured:
+            m = measured["profile"]
+            lines.append(f"- in-sample: {m.get('gap_closed', float('nan')):.3f} on the {_batches(n_prof)} the plan was "
+                         f"chosen on ({summary.get('profile_tokens') or '?'} target tokens; {losses(m)}). In-sample "
+                         "figures flatter the plan: it was picked to lower exactly this loss, and a value above 1 means "
+                         "a loss below the BF16 model's on these batches, not a model better than BF16.")
+        if "heldout" in measured:
+            m = measured["heldout"]
+            lines.append(f"- held-out: {m.get('gap_closed', float('nan')):.3f} on "
+                         f"{_batches(n_held) if n_held is not None else 'the held-out batches'} the plan was not chosen "
+                         f"on ({losses(m)}).")
+        else:
+            lines.append("- held-out: not measured (the profile was taken without `gnmr-hf profile --heldout-batches N`).")
+        for where, m in measured.items():
+            if where not in labels:
+                lines.append(f"- {where}: {m.get('gap_closed', float('nan')):.3f} ({losses(m)}).")
+        lines.append(f"- after training (what a fine-tune on this base keeps of it): not measured for this folder; "
+                     f"the planned recipes' measured results are in {AFTER_TRAINING_DOCS}.")
         lines.append("")
     lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(FOLDER)   # no arguments: the config says it all",
@@ -251,8 +330,12 @@ def model_card(summary: dict[str, Any], model_path: Path, has_adapter: bool, mer
     if has_adapter:
         lines += ["The adapter trained on this base is in `adapter/`: "
                   "`peft.PeftModel.from_pretrained(model, FOLDER + '/adapter')`.", ""]
-    lines += ["Fine-tune: `accelerate launch recipes/finetune.py --config recipes/smollm2-135m/planned-nf4.yaml "
-              "--model FOLDER` (or any PEFT LoRA setup). Evaluate: `gnmr-hf eval --model FOLDER ...` (docs/eval.md).", ""]
+    lines += ["Train a LoRA on this folder as it is: load it as above and use any PEFT LoRA setup "
+              "(`peft.get_peft_model(model, peft.LoraConfig(...))`).", "",
+              f"The planned-NF4 recipe (gnmr_hf sources) trains from the BF16 model `{name}`, not from this folder: it "
+              "profiles and plans on its own training data and reads the BF16 checkpoint as the recovery source, "
+              "which a pre-quantised folder cannot be:", "", "```bash", finetune_command(name), "```", "",
+              "Evaluate: `gnmr-hf eval --model FOLDER ...` (docs/eval.md).", ""]
     return "\n".join(lines)
 
 
@@ -266,12 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                                        "--plan prof/ --output smollm2-planned-nf4")
     p.add_argument("--model", required=True, help="the BF16 model folder (safetensors), or an offline alias")
     p.add_argument("--plan", required=True, help="profile.json (or the folder holding it) from gnmr-hf profile --budget")
-    p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty)")
+    p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty, or is "
+                   "the model, adapter or profile folder, holds one, or is the current folder or a parent of it)")
     p.add_argument("--quant", default="nf4", choices=QUANTS)
     p.add_argument("--double-quant", action="store_true", help="4-bit: quantise the scales too")
     p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/)")
     p.add_argument("--merge", action="store_true", help="write the adapter merged into the BF16 weights instead")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    p.add_argument("--force", action="store_true", help="replace an earlier export at --output (only a folder gnmr-hf "
+                   "export wrote: it holds .gnmr_export.json; replaced by rename, the old one removed last)")
     args = p.parse_args(argv)
     from gnmr_hf.offline.gguf_models import resolve_model
 

@@ -179,9 +179,12 @@ def test_bad_inputs_are_refused_before_anything_is_written(planned, tmp_path, ti
     with pytest.raises(export.ExportError, match="no such profile.json"):
         export.export_planned(path, tmp_path / "nowhere", out)
     assert not out.exists()
-    # and --force replaces a folder
-    export.export_planned(path, prof_dir, tmp_path / "full", force=True)
-    assert (tmp_path / "full" / "config.json").is_file() and not (tmp_path / "full" / "x").exists()
+    # --force replaces only an earlier export (tests/test_export_faults_r4.py has the whole contract)
+    with pytest.raises(export.ExportError, match="not a folder an earlier export wrote"):
+        export.export_planned(path, prof_dir, tmp_path / "full", force=True)
+    assert (tmp_path / "full" / "x").read_text() == "x" and not (tmp_path / "full" / "config.json").exists()
+    export.export_planned(path, prof_dir, quantised, force=True)
+    assert (quantised / "config.json").is_file()
 
 
 def test_an_interrupted_export_leaves_no_folder(planned, tmp_path, monkeypatch):
@@ -220,4 +223,4 @@ def test_model_card_price_table_in_both_currencies(tmp_path):
     card = model_card(summary, tmp_path / "m", has_adapter=False, merge=False)
     assert "**+16.0 %**" in card
     # 23 MiB of BF16 weights cost 23 x 1.4375 / 2 = 16.53 MiB over NF4: +16.5 % of the 100 MiB all-NF4 model
-    assert "| 10 % | 3 | 23.0 | +16.5 % | profile 0.500 |" in card
+    assert "| 10 % | 3 | 23.0 | +16.5 % | in-sample 0.500 |" in card
