@@ -47,7 +47,7 @@ def _loss(model, ids: torch.Tensor) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="checkpoint folder or offline alias (default: smollm2-135m-instruct)")
     p.add_argument("--chars", type=int, default=6000, help="how many characters of the text to score")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is available")
@@ -59,7 +59,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    path = args.model or str(gnmr_hf.smollm2_checkpoint())
+    from gnmr_hf.offline.gguf_models import resolve_model
+
+    path = resolve_model(args.model or "smollm2-135m-instruct")
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
     text = TEXT.read_text(encoding="utf-8")[: args.chars]
     ids = AutoTokenizer.from_pretrained(path)(text, return_tensors="pt").input_ids.to(device)

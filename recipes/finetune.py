@@ -85,20 +85,17 @@ from gnmr_hf.recipe import (  # noqa: F401  (re-exported: the tests and the benc
 def resolve_model_path(name: str) -> str:
     """A local folder for ``name``: an offline model's cache (``smollm2-135m-instruct``, ``gemma3-270m``:
     ``gnmr_hf.offline.gguf_models``), a folder as given, or a hub id (offline cache)."""
-    from gnmr_hf.offline.gguf_models import MODELS, gguf_checkpoint
+    from gnmr_hf.offline.gguf_models import resolve_model
 
-    if name in MODELS:
-        try:
-            return str(gguf_checkpoint(name))
-        except (FileNotFoundError, ImportError) as e:
-            raise RecipeError(str(e)) from None
+    # the one resolver (profile, eval, export, demo too)
+    try:
+        name = resolve_model(name)  # an alias -> its folder; a folder or hub id stays; else one line naming the aliases
+    except (FileNotFoundError, ImportError) as e:
+        raise RecipeError(str(e)) from None
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise RecipeError(f"model folder {name} has no config.json")
         return name
-    parts = name.split("/")
-    if name.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts):
-        raise RecipeError(f"model {name!r} not found (no such folder, and not a hub id)")
     from huggingface_hub import snapshot_download
 
     try:
@@ -212,11 +209,51 @@ def stored_bytes_per_bf16_byte(model) -> float:
     return torch.finfo(dtypes.pop()).bits / 16
 
 
+def _unit_prices(units, rungs: tuple[str, ...], double_quant: bool) -> list[dict[str, int]]:
+    """Each unit's price on each rung in the one currency: what it adds to the served model over NF4."""
+    from gnmr_hf.planning.budget import rung_price
+
+    return [{r: sum(rung_price(m.out_features * m.in_features, m.out_features, r, "nf4", double_quant)
+                    for m in u.dual) for r in rungs} for u in units]
+
+
+def _served_budget(recipe: Recipe, model_path: str, units, prices: list[dict[str, int]]) -> dict[str, Any]:
+    """``profile.budget`` in the one currency (``gnmr_hf.planning.budget.served_budget``), refused in one line
+    before anything is profiled when it buys no unit or exceeds what there is to keep."""
+    from gnmr_hf.planning import over_low_prices
+    from gnmr_hf.planning.budget import budget_refusal, served_budget
+
+    text, dq = recipe.profile.budget, recipe.script.bnb_4bit_use_double_quant
+    linears = [m for u in units for m in u.modules]
+    nf4 = over_low_prices(model_path, linears, "nf4", dq)["low_model_bytes"]
+    try:
+        budget = served_budget(text, nf4, sum(p["bf16"] for p in prices) if "bf16" in recipe.profile.rungs
+                               else sum(max(p.values()) for p in prices))
+    except ValueError as e:
+        raise RecipeError(f"profile.{e}") from None
+    cheapest = [min((v, r) for r, v in p.items()) for p in prices]
+    why = budget_refusal(text, budget, cheapest, [max(p.values()) for p in prices], [u.name for u in units])
+    if why:
+        raise RecipeError(f"profile.{why}")
+    return {"budget": text, "budget_bytes": budget, "nf4_model_bytes": nf4}
+
+
+def _currency_record(budget: dict[str, Any], price: int, held: int) -> dict[str, Any]:
+    """run.json's budget keys, the same in every planned recipe (docs/profile.md, "The one budget currency")."""
+    nf4 = budget["nf4_model_bytes"]
+    return {"budget": budget["budget"], "budget_bytes": budget["budget_bytes"], "price_over_nf4_bytes": price,
+            "memory_over_nf4": price / nf4, "nf4_model_bytes": nf4, "held_bytes": held, "held_over_nf4": held / nf4}
+
+
 def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
                    model_path: str | None = None) -> tuple[Any, dict[str, Any]]:
     """Profile the first ``recipe.profile.batches`` training batches, plan the BF16 linears within the
     budget and build the callback's policy (``StaticPolicy`` or ``HybridPolicy``); writes
     ``{output_dir}/profile.json`` (the profile, the plan and its ``skip_modules``) on the main process.
+
+    The budget is in the one currency of every planned recipe: what the plan adds to the served model over
+    the all-NF4 one (BF16 rungs at BF16 bytes less the NF4 bytes they replace), whatever ``compute_dtype``
+    the recovery path holds them in; a budget that buys no unit is refused before the profile.
 
     Returns:
         ``(policy, plan_record)``.
@@ -225,7 +262,9 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
 
     import gnmr_hf
     from gnmr_hf.core.controller import init_steps_from_fraction
-    from gnmr_hf.planning import DEFAULT_CRITERION, memory_budget, parse_budget
+    from gnmr_hf.planning import DEFAULT_CRITERION
+    from gnmr_hf.planning.budget import budget_refusal, planner_budget
+    from gnmr_hf.planning.passes import _units
 
     prof_args, args = recipe.profile, recipe.training
     bs = args.per_device_train_batch_size
@@ -236,52 +275,73 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
     device = next(p.device for p in model.parameters())
     batches = [{k: v.to(device) for k, v in collate([train_ds[j] for j in range(i * bs, (i + 1) * bs)]).items()}
                for i in range(prof_args.batches)]
+    model_path = model_path or resolve_model_path(recipe.script.model)
     if prof_args.ladder:
-        return ladder_policy(recipe, model, batches, model_path or resolve_model_path(recipe.script.model))
+        return ladder_policy(recipe, model, batches, model_path)
     criterion = prof_args.criterion or DEFAULT_CRITERION
+    # the budget in the one currency, checked before the profile costs anything
+    units = _units(model, "linears")
+    prices = [p["bf16"] for p in _unit_prices(units, ("bf16",), recipe.script.bnb_4bit_use_double_quant)]
+    currency = _served_budget(recipe, model_path, units, [{"bf16": p} for p in prices])
+    budget = currency["budget_bytes"]
+    planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
+    if planned_budget < budget:
+        why = budget_refusal(f"{prof_args.budget} x (1 - profile.gnmr_share {prof_args.gnmr_share:g})", planned_budget,
+                             [(p, "bf16") for p in prices], prices, [u.name for u in units])
+        if why:
+            raise RecipeError(f"profile.{why}")
+    # what each unit's recovery path holds when active: its checkpoint weight in the compute dtype
+    unit_bytes = [sum(m._gnmr_source.weight_bytes(m) for m in u.dual) for u in units]
+    scale = stored_bytes_per_bf16_byte(model)
     # every rank profiles the same batches of the same weights, so every rank plans the same set
     profile = gnmr_hf.profile_sensitivity(model, batches, criteria=(criterion,),
                                           progress=args.process_index == 0 and not args.disable_tqdm)
-    over_low = memory_budget(prof_args.budget, model_path or resolve_model_path(recipe.script.model),
-                             [m for u in profile.units for m in u.modules], "nf4",
-                             double_quant=recipe.script.bnb_4bit_use_double_quant)
-    scale = stored_bytes_per_bf16_byte(model)
-    if over_low is not None:
-        # "+10%nf4": the plan adds that much to the served NF4 model (BF16 rungs); held in training at `scale`
-        budget_bytes, fraction = int(over_low["bf16_budget"] * scale), None
-    else:
-        budget_bytes, fraction = parse_budget(prof_args.budget)
-    budget = budget_bytes if budget_bytes is not None else int(fraction * profile.total_bytes)
-    planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
-    # the budget counts the bytes the recovery path holds: the profile prices BF16 weights, the dual
-    # path stores them in the compute dtype (FP32 doubles each unit's price)
-    plan = gnmr_hf.plan(profile, budget_bytes=int(planned_budget // scale), criterion=criterion, model=model,
-                        batches=batches)
-    unit_bytes = [int(u.bytes * scale) for u in profile.units]
+    if [u.name for u in profile.units] != [u.name for u in units]:
+        raise RecipeError(f"the profile's {len(profile.units)} units are not the model's {len(units)} linears")
+    # the planner chooses in its own unit (BF16 bytes): the largest BF16 budget whose set fits the served one
+    sizes = [u.bytes for u in profile.units]
+    bf16_budget = planner_budget(profile.scores(profile._score_name(criterion)), sizes, prices, planned_budget)
+    try:
+        plan = gnmr_hf.plan(profile, budget_bytes=bf16_budget, criterion=criterion, model=model, batches=batches)
+    except ValueError as e:
+        raise RecipeError(f"profile.budget {prof_args.budget}: {e}") from None
+    chosen = plan.indices
+    price = sum(prices[i] for i in chosen)
+    if price > planned_budget:  # planner_budget's promise, checked
+        raise RecipeError(f"the plan costs {price} B over NF4, more than its budget {planned_budget} B")
+    if not chosen and prof_args.policy == "static":
+        raise RecipeError(f"profile.budget {prof_args.budget} = {budget} B over the NF4 model buys nothing: no linear "
+                          f"that fits has a positive {criterion} score on the {prof_args.batches} profiled batch(es) "
+                          "(give a larger budget or other data, or plan without one: precision nf4)")
     U = len(unit_bytes)
+    held = sum(unit_bytes[i] for i in chosen)
+    extra: dict[str, Any] = {}
     if prof_args.policy == "static":
-        policy = gnmr_hf.StaticPolicy(U, plan.indices, max_active=max(1, len(plan.indices)), unit_bytes=unit_bytes)
+        policy = gnmr_hf.StaticPolicy(U, chosen, max_active=max(1, len(chosen)), unit_bytes=unit_bytes)
     else:
         config = recipe.gnmr.config
         if recipe.gnmr.init_fraction is not None:
             steps = args.max_steps if args.max_steps > 0 else 0
             config = dataclasses.replace(config, init_steps=init_steps_from_fraction(recipe.gnmr.init_fraction, steps))
-        config = dataclasses.replace(config, max_active=U,
-                                     max_active_bytes=budget - sum(unit_bytes[i] for i in plan.indices))
-        policy = gnmr_hf.HybridPolicy(U, plan.indices, config, unit_bytes=unit_bytes)
-    # the plan's own record first: its budget_bytes is the planned share in BF16 bytes, the run's is the
-    # whole budget in held bytes
+        # GNMR gets the rest of the budget; the controller counts held bytes, so the rest is turned into held
+        # bytes at the smallest held-per-served ratio of any linear: any set it holds then fits the rest as served
+        rest = budget - price
+        cap = int(rest * min(h / p for h, p in zip(unit_bytes, prices) if p > 0))
+        config = dataclasses.replace(config, max_active=U, max_active_bytes=cap)
+        policy = gnmr_hf.HybridPolicy(U, chosen, config, unit_bytes=unit_bytes)
+        extra = {"gnmr_budget_bytes": rest, "gnmr_max_active_bytes": cap}
+    # the plan's own record first (its budget_bytes and bytes are the planner's BF16 bytes), then the run's
     record = {**plan.to_dict(), "plan_budget_bytes": plan.budget_bytes, "criterion": criterion,
-              "budget_bytes": budget, "policy": prof_args.policy, "held_bytes": sum(unit_bytes[i] for i in plan.indices),
-              "stored_bytes_per_bf16_byte": scale, **({} if over_low is None else {"memory_budget": over_low}),
+              "policy": prof_args.policy, **_currency_record(currency, price, held), **extra,
+              "stored_bytes_per_bf16_byte": scale,
               "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         profile.to_json(Path(args.output_dir) / "profile.json", plan=record, skip_modules=plan.skip_modules())
         print(plan.summary())
-        if scale != 1:
-            print(f"recovery weights stored in {recipe.script.compute_dtype}: {scale:g} bytes held per BF16 byte, "
-                  f"so the plan holds {record['held_bytes'] / 2**20:.2f} MiB of the {budget / 2**20:.2f} MiB budget")
+        print(f"budget {prof_args.budget}: {budget / 2**20:.2f} MiB over the {currency['nf4_model_bytes'] / 2**20:.1f} "
+              f"MiB NF4 model; the plan adds {price / 2**20:.2f} MiB served (+{100 * price / currency['nf4_model_bytes']:.1f} "
+              f"%) and its recovery path holds {held / 2**20:.2f} MiB in {recipe.script.compute_dtype} while training")
         print(f"profile.json: llm_int8_skip_modules for a stock BitsAndBytesConfig: {len(plan.skip_modules())} names")
     return policy, record
 
@@ -310,6 +370,9 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
     prof_args, args, script = recipe.profile, recipe.training, recipe.script
     dtype = getattr(torch, script.compute_dtype)
     t0 = time.time()
+    # the budget in the one currency, and a budget that buys no rung refused, before the profile's own load
+    pre = _units(model, "linears")
+    currency = _served_budget(recipe, model_path, pre, _unit_prices(pre, prof_args.rungs, script.bnb_4bit_use_double_quant))
     device = next(p.device for p in model.parameters())
     stock = _stock_low(model_path, "nf4", dtype, double_quant=script.bnb_4bit_use_double_quant,
                        device_map={"": device.index or 0} if device.type == "cuda" else None)
@@ -320,9 +383,20 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if sorted(u.name for u in ladder_units) != sorted(m for u in pre for m in u.modules):
+        raise RecipeError(f"the ladder profiled {len(ladder_units)} linears, the model's units hold "
+                          f"{sum(len(u.modules) for u in pre)}")
     over_low = memory_budget(prof_args.budget, model_path, [u.name for u in ladder_units], "nf4",
                              double_quant=script.bnb_4bit_use_double_quant)
+    if over_low["over_low_bytes"] != currency["budget_bytes"]:
+        raise RecipeError(f"profile.budget {prof_args.budget}: {over_low['over_low_bytes']} B over NF4 from the "
+                          f"checkpoint's config, {currency['budget_bytes']} B from the loaded model")
     chosen = choose_rungs(ladder_units, over_low["over_low_bytes"], prof_args.rungs)
+    if not chosen:  # as the BF16 planner refuses a budget that buys nothing: no plain NF4 run called planned
+        raise RecipeError(f"profile.budget {prof_args.budget} = {over_low['over_low_bytes']} B over the NF4 model buys "
+                          f"nothing on the ladder [{', '.join(prof_args.rungs)}]: no linear that fits has a positive "
+                          f"first-order gain on the {prof_args.batches} profiled batch(es) (give a larger budget or "
+                          "other data, or plan without one: precision nf4)")
     gain, price = plan_gain(ladder_units, chosen)
     # the recovery path of every planned linear on its rung (INT8: Linear8bitLt over the checkpoint weight)
     gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage, dtype=dtype,
@@ -341,8 +415,8 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
     record = {"rungs": chosen, "rung_counts": counts, "indices": indices, "modules": sorted(chosen),
               "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
               "gain": gain, "over_low_bytes": price, "memory_budget": over_low,
-              "memory_over_nf4": price / over_low["low_model_bytes"], "held_bytes": policy.set_bytes,
-              "budget_bytes": over_low["over_low_bytes"], "policy": "static", "criterion": "first_order",
+              **_currency_record(currency, price, policy.set_bytes), "policy": "static", "criterion": "first_order",
+              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16,
               "profile_seconds": round(time.time() - t0, 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -354,7 +428,8 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
         os.replace(tmp, Path(args.output_dir) / "profile.json")
         print(f"the precision ladder at {prof_args.budget}: {', '.join(f'{v} {k}' for k, v in counts.items())} "
               f"of {len(ladder_units)} linears, +{100 * record['memory_over_nf4']:.1f} % memory over the NF4 model "
-              f"({price / 2**20:.2f} MiB), first-order gain {gain:.4g}")
+              f"({price / 2**20:.2f} MiB served), first-order gain {gain:.4g}; its recovery path holds "
+              f"{record['held_bytes'] / 2**20:.2f} MiB in {script.compute_dtype} while training")
         print("profile.json: serve the mixed model with gnmr_hf.load_planned(model_path, 'profile.json') "
               "(no stock loader mixes 4- and 8-bit linears)")
     return policy, record

@@ -379,13 +379,24 @@ def _check_skip_modules(precision: str, skip_modules: list[str] | None) -> None:
         raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
 
 
+def resolve_model(model: str | os.PathLike) -> str:
+    """``--model`` through the one resolver (:func:`gnmr_hf.offline.gguf_models.resolve_model`): an offline
+    alias becomes its checkpoint folder, a folder or hub id stays; anything else is an :class:`EvalError`."""
+    from gnmr_hf.offline.gguf_models import resolve_model as resolve
+
+    try:
+        return resolve(model)
+    except FileNotFoundError as e:
+        raise EvalError(str(e)) from None
+
+
 def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
                device: str = "cpu", compute_dtype: str = "bfloat16",
                skip_modules: list[str] | None = None) -> tuple[Any, Any]:
     """Load the base (BF16, bitsandbytes INT8 or NF4) and apply an optional LoRA adapter with plain PEFT.
 
     Args:
-        model: a local checkpoint folder or a hub id.
+        model: a local checkpoint folder, a hub id or an offline alias (:func:`resolve_model`).
         precision: ``"bf16"``, ``"int8"`` (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute) or
             ``"nf4"`` (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``, BF16 compute:
             the base a QLoRA adapter was trained on). Its layers compute with bitsandbytes' reference
@@ -412,6 +423,7 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
     if adapter is not None:
         require("peft", "Loading a LoRA adapter")
         _read_adapter_config(adapter)
+    model = resolve_model(model)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -509,7 +521,7 @@ def evaluate(
     """Score ``model`` (+ ``adapter``) on the bundled tasks with lm-evaluation-harness.
 
     Args:
-        model: base checkpoint folder or hub id.
+        model: base checkpoint folder, hub id or offline alias (:func:`resolve_model`).
         tasks: any of ``gsm8k, mmlu, hellaswag, wikitext`` (list or comma-separated string).
         adapter: PEFT LoRA adapter folder applied on the base, or None.
         precision: ``"bf16"``, ``"int8"`` or ``"nf4"`` (bitsandbytes) for the base weights.
@@ -549,6 +561,7 @@ def evaluate(
         _read_adapter_config(adapter)
     dtype_name = _compute_dtype(compute_dtype)
     _check_skip_modules(precision, skip_modules)
+    model = resolve_model(model)  # an offline alias -> its checkpoint folder (the settings record the folder)
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -715,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "lm-evaluation-harness, and print the paper's Table 7 row.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="base checkpoint folder or hub id")
+    p.add_argument("--model", required=True, help="base checkpoint folder, hub id or offline alias "
+                                                  "(smollm2-135m-instruct, gemma3-270m)")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder to apply on the base")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="base weights: bf16, bitsandbytes int8 or nf4")
     p.add_argument("--compute-dtype", default="bfloat16", choices=COMPUTE_DTYPES,

@@ -190,10 +190,45 @@ def gemma3_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     return gguf_checkpoint("gemma3-270m", cache_dir)
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """A model argument that names no model: not an offline alias, not a model folder, not a hub id; or an
+    alias whose package is not installed. Its message is one line (for the CLIs' ``error:`` line)."""
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """``org/name``: two non-empty parts, not a path (``./x``, ``/x``, ``~/x``)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
 def resolve_model(name: str | os.PathLike) -> str:
-    """A model argument as the CLIs and recipes take it: an offline alias (``MODELS``) becomes its
-    converted checkpoint folder; anything else (a folder, a hub id) is returned unchanged."""
+    """A model argument as every entry point takes it (``gnmr-hf profile``, ``eval``, ``export``, the demo,
+    ``recipes/finetune.py``, the bench scripts): the one resolver.
+
+    - an offline alias (``MODELS``: ``smollm2-135m-instruct``, ``gemma3-270m``) becomes its converted
+      checkpoint folder (:func:`gguf_checkpoint`, converted on first use);
+    - an existing folder is returned as given (``~`` expanded; the caller checks what it needs in it);
+    - a hub id (``org/name``, not an existing path) is returned unchanged, for the caller to fetch;
+    - anything else is refused in one line that lists the aliases.
+
+    Raises:
+        ModelNotFoundError: (a ``FileNotFoundError``) the name is none of the above (a file, or a path or
+            word that does not exist), or the alias's package is not installed (the message says what to install).
+        ImportError: converting an alias needs ``gguf`` / ``transformers`` (``require``'s message).
+    """
     name = str(name)
     if name in MODELS:
-        return str(gguf_checkpoint(name))
-    return name
+        try:
+            return str(gguf_checkpoint(name))
+        except FileNotFoundError as e:
+            raise ModelNotFoundError(str(e)) from None
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return path  # what a folder must hold (config.json, safetensors) each caller checks for its own use
+    if os.path.exists(path):
+        raise ModelNotFoundError(f"model {name}: a file, not a model folder, an offline alias "
+                                 f"({', '.join(MODELS)}) or a hub id")
+    if _looks_like_hub_id(name):
+        return name
+    raise ModelNotFoundError(f"model {name!r}: no such folder, not a hub id (org/name), and not an offline alias; "
+                             f"the aliases: {', '.join(MODELS)}")

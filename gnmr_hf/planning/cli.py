@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "generated training set is written to a temporary folder and removed).",
         epilog=PROFILE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
-                   help="a model folder with safetensors (the BF16 checkpoint), or smollm2-135m-instruct (default)")
+                   help="a model folder with safetensors (the BF16 checkpoint), or an offline alias: "
+                        "smollm2-135m-instruct (default), gemma3-270m")
     p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
     p.add_argument("--budget", default="10%",
                    help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), or extra "
@@ -237,13 +238,14 @@ def _run(args: argparse.Namespace) -> int:
     started = time.time()
 
     # the model folder
-    if args.model == "smollm2-135m-instruct":
-        from gnmr_hf.offline.smollm2 import smollm2_checkpoint
+    from gnmr_hf.offline.gguf_models import MODELS, resolve_model
 
-        model_path = smollm2_checkpoint()
-    else:
-        model_path = Path(args.model)
-        if not (model_path / "config.json").is_file():
+    try:
+        model_path = Path(resolve_model(args.model))
+    except FileNotFoundError as e:
+        raise ProfileError(str(e)) from None
+    if args.model not in MODELS:
+        if not (model_path / "config.json").is_file():  # a hub id: profile reads the safetensors from a folder
             raise ProfileError(f"--model {args.model}: not a model folder (no config.json)")
         if not list(model_path.glob("*.safetensors")):
             raise ProfileError(f"--model {args.model}: no *.safetensors files (the BF16 weights the recovery path "
