@@ -129,29 +129,51 @@ def _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, policy="static", budg
     return model, policy, record
 
 
+# issue 52 item 4: the budget is the plan as served (BF16 bytes less the NF4 bytes they replace), whatever
+# the dtype the recovery path holds it in; what that path holds is recorded beside it
+def _tiny_numel() -> dict[str, int]:
+    """Every tiny LLaMA linear's weight count (conftest.make_tiny_llama: hidden 64, kv 32, intermediate 128)."""
+    shapes = {"self_attn.q_proj": 64 * 64, "self_attn.k_proj": 32 * 64, "self_attn.v_proj": 32 * 64,
+              "self_attn.o_proj": 64 * 64, "mlp.gate_proj": 128 * 64, "mlp.up_proj": 128 * 64, "mlp.down_proj": 64 * 128}
+    return {f"model.layers.{i}.{k}": v for i in range(4) for k, v in shapes.items()}
+
+
+def _tiny_prices() -> dict[str, int]:
+    """Every linear's price over NF4: its BF16 weight against packed NF4 + FP32 absmax per 64 + code table."""
+    return {m: 2 * n - (n // 2 + 4 * (n // 64) + 64) for m, n in _tiny_numel().items()}
+
+
 @pytest.mark.parametrize("dtype, scale", [("float32", 2.0), ("bfloat16", 1.0)])
-def test_the_planned_budget_counts_the_bytes_held(tiny_llama_dir, smollm2_dir, tmp_path, dtype, scale):
+def test_the_planned_budget_is_the_plan_as_served_whatever_the_dtype(tiny_llama_dir, smollm2_dir, tmp_path, dtype,
+                                                                     scale):
     import gnmr_hf
 
     model, policy, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype)
-    total = json.loads((tmp_path / dtype / "profile.json").read_text())["total_bytes"]
+    prices = _tiny_prices()
+    # 10 %: a tenth of what keeping every quantised linear on BF16 adds over NF4, in both dtypes
+    assert record["budget_bytes"] == int(0.1 * sum(prices.values()))
+    assert record["price_over_nf4_bytes"] == sum(prices[m] for m in record["modules"]) <= record["budget_bytes"]
     assert record["stored_bytes_per_bf16_byte"] == scale
-    assert record["budget_bytes"] == int(0.1 * total)  # the run's budget, not the plan's share
     gnmr_hf.set_active_units(model, record["indices"])
     held = gnmr_hf.recovery_device_bytes(model)  # what the dual path really holds with the plan active
     assert held == record["held_bytes"] == scale * record["bytes"] > 0
-    assert held <= record["budget_bytes"]  # FP32 held 2x the budget before
     # what the trace reports (the policy's active_bytes) is what is held
     assert policy.set_bytes == held
 
 
 def test_hybrid_record_keeps_the_runs_budget(tiny_llama_dir, smollm2_dir, tmp_path):
     _, policy, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, "float32", policy="hybrid")
-    total = json.loads((tmp_path / "float32" / "profile.json").read_text())["total_bytes"]
-    assert record["policy"] == "hybrid" and record["budget_bytes"] == int(0.1 * total)
-    assert record["plan_budget_bytes"] == int(int(0.1 * total) * 0.75) // 2  # the plan's share, in BF16 bytes
-    # GNMR gets the rest of the budget in held bytes
-    assert policy.controller.config.max_active_bytes == record["budget_bytes"] - record["held_bytes"]
+    prices = _tiny_prices()
+    budget = int(0.1 * sum(prices.values()))
+    assert record["policy"] == "hybrid" and record["budget_bytes"] == budget
+    price = sum(prices[m] for m in record["modules"])
+    assert record["price_over_nf4_bytes"] == price <= int(budget * 0.75)  # the plan's share
+    # GNMR gets the rest of the budget, counted in held bytes (FP32: 4 a weight) at the smallest held-per-price
+    # ratio of any linear, so whatever it holds fits the rest as served
+    assert record["gnmr_budget_bytes"] == budget - price
+    held_per_price = min(4 * n / prices[m] for m, n in _tiny_numel().items())
+    assert record["gnmr_max_active_bytes"] == int((budget - price) * held_per_price)
+    assert policy.controller.config.max_active_bytes == record["gnmr_max_active_bytes"]
 
 
 # issue 26 item 6: keys the profile's policy would ignore are refused in one line, before anything loads
@@ -202,23 +224,27 @@ def test_a_budget_in_memory_over_nf4(tiny_llama_dir, smollm2_dir, tmp_path, dtyp
     # +25%nf4: the plan adds at most 25 % to the all-NF4 model as served (BF16 rungs), worked out from shapes:
     # the tiny LLaMA's 28 linears (64x64 q/o, 32x64 k/v, 128x64 gate/up, 64x128 down) cost 1.4375 bytes a weight
     # over NF4; the rest (embeddings, head, norms) stays BF16
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
     from gnmr_hf.memory import model_bytes
 
     _, _, record = _planned(tiny_llama_dir, smollm2_dir, tmp_path, dtype, budget="+25%nf4")
-    mem = record["memory_budget"]
     linear_numel = 4 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)
     rest = 2 * (128 * 64 * 2 + 64 * (2 * 4 + 1))  # embed + lm_head, the RMSNorm weights, in BF16
     nf4 = linear_numel // 2 + (linear_numel // 64) * 4  # packed weights + FP32 absmax per block of 64
     stock = model_bytes(_stock_nf4(tiny_llama_dir))["total"]
     code = 28 * 16 * 4  # each linear's quant state holds the 16-entry FP32 NF4 code table
     rotary = 2 * 8 * 4  # inv_freq and original_inv_freq (head_dim 16), FP32 buffers
-    assert mem["low_model_bytes"] == stock == rest + nf4 + code + rotary
-    # a linear of n weights costs 2n in BF16 against n/2 + n/16 (absmax) + 64 (code table) in NF4
-    price = 2 * linear_numel - (nf4 + code)
-    assert mem["bf16_per_over_byte"] == pytest.approx(2 * linear_numel / price)
-    scale = 2.0 if dtype == "float32" else 1.0
-    served_over = record["bytes"] / mem["bf16_per_over_byte"]
-    assert 0 < served_over <= 0.25 * stock and record["budget_bytes"] == int(mem["bf16_budget"] * scale)
+    assert record["nf4_model_bytes"] == stock == rest + nf4 + code + rotary
+    assert record["budget_bytes"] == int(0.25 * stock)  # whatever the dtype
+    # what is served: a stock load with the plan's linears unquantised holds exactly its price over NF4
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                           llm_int8_skip_modules=["lm_head"] + record["modules"])
+    served = model_bytes(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16,
+                                                              quantization_config=q))["total"]
+    assert 0 < served - stock == record["price_over_nf4_bytes"] <= record["budget_bytes"]
+    assert record["memory_over_nf4"] == pytest.approx((served - stock) / stock)
 
 
 def _stock_nf4(path):

@@ -68,6 +68,34 @@ def find_backend(model: nn.Module) -> Backend:
     )
 
 
+def prequantised(folder: str | os.PathLike) -> str | None:
+    """What quantised the checkpoint in ``folder`` (or beside a ``.safetensors`` file) when its ``config.json``
+    carries a ``quantization_config`` (e.g. ``"bitsandbytes nf4"``: a ``gnmr-hf export`` folder), else None (no
+    such file, unreadable, or a plain checkpoint). A pre-quantised checkpoint holds packed low-bit weights,
+    not the BF16 weights a recovery path reads, so it cannot be its own recovery source."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder).expanduser()
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        q = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        return "a quantization_config"
+    kind = "nf4" if q.get("load_in_4bit") and q.get("bnb_4bit_quant_type", "fp4") == "nf4" else \
+        "fp4" if q.get("load_in_4bit") else "int8" if q.get("load_in_8bit") else None
+    return " ".join(x for x in (str(q.get("quant_method") or "quantised"), kind) if x)
+
+
+PREQUANTISED = ("{source} is a pre-quantised model folder (its config.json has a quantization_config: {what}): its "
+                "packed weights cannot be the BF16 recovery source; give the original BF16 model folder it was "
+                "quantised from (for a gnmr-hf export folder, the --model that export read)")
+
+
 def prepare_dual_path(
     model: nn.Module,
     recovery_source: str | os.PathLike,
@@ -127,8 +155,13 @@ def prepare_dual_path(
             checkpoint whose weights are not those the model was quantised from (the message names the
             first layer that differs, its relative error and the threshold).
         FileNotFoundError: ``recovery_source`` does not exist or has no safetensors files.
+        ValueError: ``recovery_source`` is a pre-quantised folder (its ``config.json`` carries a
+            ``quantization_config``, as a ``gnmr-hf export`` folder does): one line naming the folder to give.
     """
     backend = find_backend(model)
+    what = prequantised(recovery_source)
+    if what:
+        raise ValueError(PREQUANTISED.format(source=f"recovery_source {str(recovery_source)!r}", what=what))
     prepare = importlib.import_module(backend.module).prepare_dual_path
     model = prepare(model, recovery_source=recovery_source, storage=storage, check_source=check_source, **kwargs)
     record_spec(model, kwargs.get("units"))  # units=None later (callback, set_active_units) means these units

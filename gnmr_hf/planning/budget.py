@@ -1,5 +1,11 @@
 """Budget currencies: extra BF16 bytes (``10%``, ``0.1``, ``300MB``) and memory over the all-low model
-(``+10%nf4``), and the price table in both."""
+(``+10%nf4``), and the price table in both.
+
+The recipes' one currency (:func:`served_budget`, docs/profile.md "The one budget currency"): every budget is
+what the plan adds to the served model over the all-low one, BF16 rungs at BF16 bytes, INT8 rungs as
+bitsandbytes stores them, less the low bytes they replace, whatever dtype training computes in;
+:func:`budget_refusal` says in one line why a budget cannot be planned and :func:`planner_budget` turns it
+into the BF16 planner's own unit."""
 
 from __future__ import annotations
 
@@ -88,30 +94,120 @@ def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[st
         raise ValueError(f"budget {text!r} is memory over the {cur} model, but this model's low path is {low}")
     out = over_low_prices(model_path, modules, low, double_quant)
     over = int(fraction * out["low_model_bytes"])
-    return {"fraction": fraction, **out, "over_low_bytes": over, "bf16_budget": int(over * out["bf16_per_over_byte"])}
+    # the smallest BF16-bytes-per-price ratio of any linear: a BF16 set within bf16_budget then costs at most
+    # `over` as served (the aggregate ratio would let a set of the largest linears overshoot by their code tables)
+    return {"fraction": fraction, **out, "over_low_bytes": over,
+            "bf16_budget": int(over * out["min_bf16_per_over_byte"])}
 
 
 def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: str,
                     double_quant: bool = False) -> dict[str, Any]:
-    """``{"low", "low_model_bytes", "bf16_per_over_byte"}``: the all-low model's bytes as a stock load
-    stores it, and the kept linears' BF16 bytes per byte they cost over ``low`` (see :func:`memory_budget`)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """``{"low", "low_model_bytes", "bf16_per_over_byte", "min_bf16_per_over_byte"}``: the all-low model's bytes
+    as a stock load stores it, and the kept linears' BF16 bytes per byte they cost over ``low`` (all of them
+    together, and the smallest of any one linear; see :func:`memory_budget`)."""
     from gnmr_hf.memory import extra_bytes_over_low, predict_model_bytes
 
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = _meta_model(model_path)
     mods = dict(meta.named_modules())
     missing = [m for m in modules if m not in mods]
     if missing:
         raise ValueError(f"{len(missing)} quantised linear(s) not in {model_path}'s config, e.g. {missing[0]}")
     low_total = predict_model_bytes(meta, list(modules), low, double_quant=double_quant)["total"]
-    bf16 = sum(mods[m].weight.numel() * 2 for m in modules)
-    price = sum(extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low,
-                                     double_quant=double_quant) for m in modules)
-    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": bf16 / price}
+    bf16 = {m: mods[m].weight.numel() * 2 for m in modules}
+    price = {m: extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low, double_quant=double_quant)
+             for m in modules}
+    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": sum(bf16.values()) / sum(price.values()),
+            "min_bf16_per_over_byte": min(bf16[m] / price[m] for m in modules)}
+
+
+def _meta_model(model_path: str | os.PathLike):
+    """``model_path``'s model built from its config on the meta device (shapes only, no weight read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def rung_price(numel: int, rows: int, rung: str, low: str = "nf4", double_quant: bool = False) -> int:
+    """What a linear of ``numel`` weights and ``rows`` output rows adds to the served model on ``rung`` (``bf16``:
+    its BF16 weight; ``int8``: bitsandbytes' int8 weight and FP32 row scales) over storing it in ``low``, quant
+    states counted (``gnmr_hf.memory.weight_bytes``)."""
+    from gnmr_hf.memory import weight_bytes
+
+    return (weight_bytes(numel, rows, rung).total
+            - weight_bytes(numel, rows, low, double_quant=double_quant).total)
+
+
+def served_budget(text: str, low_model_bytes: int, all_bf16_price: int, low: str = "nf4") -> int:
+    """The budget ``text`` in the one currency: bytes the plan may add to the served all-``low`` model.
+
+    ``+N%nf4``: N % of ``low_model_bytes`` (the all-low model as a stock load stores it); a size (``300MB``):
+    that many bytes; a percentage or fraction (``10%``, ``0.1``): that share of ``all_bf16_price``, what keeping
+    every quantised linear on BF16 adds (every linear's price is 1.4375 / 2 of its BF16 bytes less its
+    64-byte code table, so this is the same share of their BF16 bytes to within the code tables).
+
+    Raises:
+        ValueError: a budget that is not one of these forms, or memory over another low path (one line).
+    """
+    from gnmr_hf.memory import parse_memory_budget
+
+    memory = parse_memory_budget(str(text))
+    if memory is not None:
+        fraction, cur = memory
+        if cur != low:
+            raise ValueError(f"budget {text!r} is memory over the {cur} model, but this model's low path is {low}")
+        return int(fraction * low_model_bytes)
+    size, fraction = parse_budget(text)
+    return size if size is not None else int(fraction * all_bf16_price)
+
+
+def _bytes(n: float) -> str:
+    return f"{int(n)} B ({n / 2**20:.3g} MiB)" if n >= 2**20 else f"{int(n)} B ({n / 2**10:.3g} KiB)" if n >= 2**10 \
+        else f"{int(n)} B"
+
+
+def budget_refusal(text: str, budget: int, cheapest: Sequence[tuple[int, str]], dearest: Sequence[int],
+                   names: Sequence[str], low: str = "nf4") -> str | None:
+    """Why ``budget`` (``text`` in the one currency, bytes over the all-``low`` model) cannot be planned, in one
+    line; None when it can. ``cheapest``: each unit's cheapest rung as ``(price, rung)``; ``dearest``: each unit's
+    price on its dearest rung. The budget buys no unit (below every unit's cheapest rung), or exceeds what
+    keeping every unit on its dearest rung adds (the BF16 planner's two refusals, in the served currency)."""
+    if not cheapest:
+        return "the model has no quantised linear to plan"
+    price, i = min((c[0], i) for i, c in enumerate(cheapest))
+    lo = low.upper()
+    head = f"budget {text} = {_bytes(budget)} over the {lo} model"
+    if budget < price:
+        return (f"{head} buys no unit: the cheapest is {names[i]} on {cheapest[i][1].upper()} at {_bytes(price)} "
+                f"over {lo} (give a larger budget, or plan without one: precision nf4)")
+    total = sum(dearest)
+    if budget > total:
+        return (f"{head} exceeds what there is to keep: all {len(dearest)} linears on their dearest rung add "
+                f"{_bytes(total)} over {lo} (precision bf16 trains without quantisation)")
+    return None
+
+
+def planner_budget(scores: Sequence[float], sizes: Sequence[int], prices: Sequence[int], budget: int) -> int:
+    """The largest BF16 planner's budget (in ``sizes``, the profile's unit bytes) whose greedy set
+    (``greedy_select``, the planner's own choice) costs at most ``budget`` in ``prices`` (the served currency);
+    0 when none does. ``gnmr_hf.plan(profile, budget_bytes=planner_budget(...))`` then plans within ``budget``
+    as served."""
+    from gnmr_hf.planning.planner import greedy_select
+
+    pairs = [(s, p) for s, p in zip(sizes, prices) if s > 0 and p > 0]
+    if not pairs or budget <= 0:
+        return 0
+    # no set that costs at most `budget` is larger than this
+    b = min(sum(sizes), int(budget * max(s / p for s, p in pairs)))
+    while b > 0:
+        chosen = greedy_select(scores, sizes, b)
+        if sum(prices[i] for i in chosen) <= budget:
+            return b
+        # the greedy set is the same for every budget from its own size up to b: the next candidate is below it
+        b = sum(sizes[i] for i in chosen) - 1
+    return 0
 
 
 def _pct(fraction: float) -> str:
