@@ -105,6 +105,17 @@ def resolve_model_path(name: str) -> str:
         raise RecipeError(f"model {name!r} not found: not a folder, and the hub gave {type(e).__name__}: {e}") from None
 
 
+def refuse_prequantised(model_path: str) -> None:
+    """A one-line ``RecipeError`` for a pre-quantised model folder (its config.json has a ``quantization_config``,
+    e.g. a ``gnmr-hf export`` folder): every precision loads (and quantises) a BF16 checkpoint, and the
+    recovery path reads its BF16 weights."""
+    from gnmr_hf.backends.dispatch import PREQUANTISED, prequantised
+
+    what = prequantised(model_path)
+    if what:
+        raise RecipeError(PREQUANTISED.format(source=f"model {model_path}", what=what))
+
+
 def quantization_config(script: ScriptArguments):
     """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in
     ``script.compute_dtype``."""
@@ -136,6 +147,7 @@ def load_model(recipe: Recipe, model_path: str):
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, recipe.script.compute_dtype)
+    refuse_prequantised(model_path)
 
     # under DDP on GPUs each process holds a whole replica on its own device
     device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None
@@ -454,6 +466,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         Path(args.output_dir, "run.json").unlink(missing_ok=True)  # a stale one would mark this run done
     set_seed(args.seed)
     model_path = resolve_model_path(script.model)
+    refuse_prequantised(model_path)  # before the data is built and the model loaded
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
