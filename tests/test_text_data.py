@@ -69,7 +69,7 @@ def test_text_task_keeps_held_out_files_apart(tmp_path, word_tokenizer):
     assert [r["input_ids"] for r in held] == [[5, 6, 1], [6, 6, 6], [6, 6, 6]]
     assert summary == {"source": str(tmp_path), "files": 4, "train_files": 2, "heldout_files": 2,
                        "train_tokens": 10, "heldout_tokens": 11, "block_size": 3, "train_blocks": 3,
-                       "heldout_blocks": 3}
+                       "heldout_blocks": 3, "skipped_hidden": 0, "skipped_binary": 0}
     with pytest.raises(ValueError, match="less than one block of 50"):
         text_data.text_task(tmp_path, word_tokenizer, block_size=50, heldout_every=2)
 

@@ -135,7 +135,9 @@ def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
 
 
 def _text_batches(path: Path, tokenizer, n_batches: int, batch_size: int, seq_len: int) -> list[dict[str, Any]]:
-    ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+    from gnmr_hf.offline.text_data import read_text_file
+
+    ids = tokenizer(read_text_file(path))["input_ids"]  # strict UTF-8: a Latin-1 file is one line, not U+FFFD
     chunks = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     chunks = [c for c in chunks if len(c) > 1][: n_batches * batch_size]
     if not chunks:

@@ -158,9 +158,11 @@ def tokenize_files(tokenizer, files: list[Path], cache_dir: Path, tag: str) -> t
     path = cache_dir / f"ids-{tag}-{_fingerprint(files, tokenizer.vocab_size)}.pt"
     if path.is_file():
         return torch.load(path, weights_only=True)  # a cached int32 tensor: nothing in it may run code
+    from gnmr_hf.offline.text_data import read_text_file
+
     ids: list[int] = []
     for f in files:
-        ids.extend(tokenizer(f.read_text(encoding="utf-8", errors="replace"))["input_ids"])
+        ids.extend(tokenizer(read_text_file(f))["input_ids"])  # strict UTF-8: a bad file is named, not replaced
         ids.append(tokenizer.eos_token_id)
     out = torch.tensor(ids, dtype=torch.int32)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
