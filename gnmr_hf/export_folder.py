@@ -96,6 +96,9 @@ def check_output(out_dir: str | os.PathLike, force: bool = False,
     if out in cwd.parents:
         raise OutputFolderError(f"output folder {given} holds the current folder ({cwd}): give a new folder for the export")
     if not out.exists():
+        above = next((p for p in out.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise OutputFolderError(f"output folder {given}: {above} is a file, not a folder")
         return out
     if not out.is_dir():
         raise OutputFolderError(f"output folder {given} is a file, not a folder")

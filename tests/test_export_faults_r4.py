@@ -159,6 +159,16 @@ def test_force_on_a_folder_no_export_wrote_is_refused(ws, capsys):
     assert snapshot(w) == before
 
 
+def test_an_output_under_a_file_or_a_file_is_refused_in_one_line(ws, capsys):
+    w = ws["w"]
+    before = snapshot(w)
+    for output in (w / "work" / "notes.txt", w / "work" / "notes.txt" / "exp"):
+        assert _cli(ws, output, "--force") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "notes.txt is a file" in err[0], err
+    assert snapshot(w) == before
+
+
 def test_force_replaces_an_earlier_export_by_rename_and_touches_nothing_else(ws, monkeypatch):
     w, out = ws["w"], ws["w"] / "exp"
     export.export_planned(ws["model"], ws["prof"], out)  # NF4
