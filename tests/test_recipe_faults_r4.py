@@ -106,7 +106,6 @@ def test_prepare_dual_path_refuses_a_prequantised_recovery_source(tiny_llama_dir
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     import gnmr_hf
-    from gnmr_hf.backends.dispatch import prequantised
 
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, quantization_config=q)
@@ -117,6 +116,8 @@ def test_prepare_dual_path_refuses_a_prequantised_recovery_source(tiny_llama_dir
     # its safetensors file alone is refused too (the config beside it says what it is); the BF16 folder is fine
     with pytest.raises(ValueError, match="pre-quantised"):
         gnmr_hf.prepare_dual_path(model, recovery_source=next(prequantised_dir.glob("*.safetensors")))
+    from gnmr_hf.backends.dispatch import prequantised
+
     assert prequantised(tiny_llama_dir) is None and prequantised(prequantised_dir) == "bitsandbytes nf4"
     gnmr_hf.prepare_dual_path(model, recovery_source=tiny_llama_dir)
     assert len(list(gnmr_hf.backends.base.dual_path_modules(model))) == 28
