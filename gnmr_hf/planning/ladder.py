@@ -232,27 +232,55 @@ def plan_gain(units: list[LadderUnit], chosen: dict[str, str]) -> tuple[float, i
     return (sum(by[n].gains[r] for n, r in chosen.items()), sum(by[n].prices[r] for n, r in chosen.items()))
 
 
+#: the low paths :func:`load_planned` loads the other decoder linears in
+LOW_PATHS = ("nf4", "fp4", "int8")
+
+
 def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os.PathLike, low: str = "nf4",
                  dtype=None, compute_dtype=None, double_quant: bool = False, int8_threshold: float = 6.0,
                  device_map=None):
-    """The mixed model from stock modules: ``rungs`` maps full linear names to ``"bf16"`` or ``"int8"``
-    (or is a JSON file with a ``"rungs"`` mapping, such as the ``profile.json`` of a recipe run with
-    ``profile.rungs: [int8, bf16]``); every other decoder linear is ``low`` (``nf4``, ``fp4`` or ``int8``),
-    ``lm_head`` stays unquantised. ``device_map`` is ``from_pretrained``'s (e.g. ``{"": 0}``)."""
+    """The mixed model from stock modules: ``rungs`` maps full linear names to ``"bf16"`` or ``"int8"``; every
+    other decoder linear is ``low`` (``nf4``, ``fp4`` or ``int8``), ``lm_head`` stays unquantised.
+    ``device_map`` is ``from_pretrained``'s (e.g. ``{"": 0}``).
+
+    ``rungs`` may also be a plan file, or the folder holding its ``profile.json``: a recipe's ``profile.json``
+    with a ``rungs`` mapping (``profile.rungs: [int8, bf16]``), or a BF16-only one (``gnmr-hf profile
+    --budget``, a ``planned-*`` recipe), whose planned linears (its ``skip_modules`` less the modules it keeps
+    by default) are loaded as BF16 rungs. A file is checked against ``model_path`` before anything is loaded:
+    its ``model_identity`` (:func:`gnmr_hf.planning.profiler.model_identity`: a hash of the config and a
+    fingerprint of the weights) when it records one, else the shapes it records (a file written before
+    identities were recorded: another model with the same layer names and shapes is not detected then).
+
+    The 4-bit linears compute with bitsandbytes' reference de-quantise + matmul
+    (:func:`gnmr_hf.backends.bnb_4bit.keep_reference_layout`), as the dual path trains them: on a CPU with
+    AVX512-BF16 bitsandbytes would otherwise repack them at the first eval-mode forward and compute other
+    logits than the trained model.
+
+    Raises:
+        ValueError: a ``low`` not in :data:`LOW_PATHS`, an unknown rung, a name that is not a linear inside the
+            decoder layers (``lm_head``: training puts only those on a rung), a plan file that is not one, or
+            one made for another model (all before any load).
+    """
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    if low not in LOW_PATHS:
+        raise ValueError(f"low={low!r} is not a low path load_planned loads: one of {', '.join(LOW_PATHS)}")
+    keep: list[str] = []
     if not isinstance(rungs, dict):
-        rungs = json.loads(Path(rungs).read_text())["rungs"]
+        rungs, keep = _read_plan_file(model_path, rungs)
     check_rungs(rungs)
+    _check_decoder_linears(model_path, rungs)
     dtype = dtype or torch.bfloat16
-    skip = ["lm_head"] + sorted(rungs)
+    skip = ["lm_head"] + [k for k in keep if k != "lm_head"] + sorted(rungs)
     if low == "int8":
         q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip, llm_int8_threshold=int8_threshold)
     else:
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=low, bnb_4bit_use_double_quant=double_quant,
                                bnb_4bit_compute_dtype=compute_dtype or dtype, llm_int8_skip_modules=skip)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=q, device_map=device_map)
+    if low != "int8":
+        _reference_layout(model)  # as the dual path computes (see the docstring)
     modules = dict(model.named_modules())
     missing = [n for n in rungs if n not in modules or not isinstance(modules[n], torch.nn.Linear)]
     if missing:
@@ -271,6 +299,121 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     return model
 
 
+def _meta_model(model_path: str | os.PathLike):
+    """``model_path``'s architecture on the meta device (shapes only, nothing read but config.json)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _check_decoder_linears(model_path: str | os.PathLike, rungs: dict[str, str]) -> None:
+    """Every planned name must be a linear inside the decoder layers of ``model_path``'s architecture."""
+    import torch
+
+    from gnmr_hf.units import find_decoder_layers
+
+    meta = _meta_model(model_path)
+    modules = dict(meta.named_modules())
+    missing = [n for n in rungs if not isinstance(modules.get(n), torch.nn.Linear)]
+    if missing:
+        raise ValueError(f"{len(missing)} planned name(s) are not linears of {model_path}, e.g. {missing[0]}")
+    inside = {id(m) for _, layer in find_decoder_layers(meta) for m in layer.modules()}
+    outside = sorted(n for n in rungs if id(modules[n]) not in inside)
+    if outside:
+        raise ValueError(f"{outside[0]} ({rungs[outside[0]]}) is not a linear inside the decoder layers: training puts "
+                         "only those on a rung (prepare_dual_path(..., units='linears', rungs=...)), so a plan cannot "
+                         f"name {'it' if len(outside) == 1 else f'it or {len(outside) - 1} more'}")
+
+
+def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
+    """``(rungs, keep_modules)`` of a plan file (or ``DIR/profile.json``), checked against ``model_path``."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "profile.json").is_file():
+            raise ValueError(f"{path}: a folder without profile.json (give a recipe's output folder, gnmr-hf profile's "
+                             "--output folder, or the profile.json itself)")
+        path = path / "profile.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such plan file (a profile.json from a recipe or gnmr-hf profile --budget)")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a plan (a JSON object with a 'rungs' mapping or a profile's skip_modules)")
+    keep: list[str] = []
+    if "rungs" in data:
+        rungs = data["rungs"]
+        if not isinstance(rungs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rungs.items()):
+            raise ValueError(f"{path}: 'rungs' must map linear names to rungs ({', '.join(RUNGS)})")
+    else:
+        from gnmr_hf.planning.results import SensitivityProfile
+
+        try:
+            SensitivityProfile.from_dict(data)  # one line naming a bad field
+        except ValueError as e:
+            raise ValueError(f"{path}: neither a ladder plan (no 'rungs') nor a profile: {e}") from None
+        keep = list(data.get("keep_modules") or [])
+        skips = data.get("skip_modules")
+        plan = data.get("plan") if isinstance(data.get("plan"), dict) else {}
+        if isinstance(skips, list) and skips and all(isinstance(n, str) for n in skips):
+            names = [n for n in skips if n not in keep]
+        elif isinstance(plan.get("modules"), list):
+            names = [str(n) for n in plan["modules"]]
+        else:
+            raise ValueError(f"{path} is a profile without a plan (no skip_modules): plan it (gnmr-hf profile --budget, "
+                             "or gnmr_hf.plan and to_json(..., skip_modules=...)) or pass the rungs as a dict")
+        rungs = {n: "bf16" for n in names}
+    _check_same_model(path, data, model_path)
+    return rungs, keep
+
+
+def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.PathLike) -> None:
+    """The plan file's model is ``model_path``'s: by the ``model_identity`` it records, else by the shapes of the
+    units it records (a ladder plan's ``numel`` / ``rows``, a profile's BF16 ``bytes`` per unit)."""
+    from gnmr_hf.planning.profiler import identity_mismatch
+
+    other = (f"{path} was made for another model than {model_path}: {{}} (pass the rungs as a dict to load "
+             "another model on purpose)")
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    recorded = data.get("model_identity", meta.get("model_identity"))
+    if recorded is not None:
+        why = identity_mismatch(recorded, model_path)
+        if why:
+            raise ValueError(other.format(why))
+    units = data.get("units")
+    if not isinstance(units, list):
+        return
+    mods = dict(_meta_model(model_path).named_modules())
+
+    def weight(name):
+        m = mods.get(name)
+        return getattr(m, "weight", None) if m is not None else None
+
+    for u in units:
+        if not isinstance(u, dict):
+            continue
+        if "numel" in u and "rows" in u:  # a ladder plan's unit: one linear
+            w = weight(u.get("name"))
+            if w is None:
+                raise ValueError(other.format(f"it plans {u.get('name')!r}, which the model has no linear for"))
+            if (w.numel(), w.shape[0]) != (u["numel"], u["rows"]):
+                raise ValueError(other.format(f"{u['name']} has {u['numel']} weights in {u['rows']} rows in the plan, "
+                                              f"{w.numel()} in {w.shape[0]} rows in the model"))
+        elif isinstance(u.get("modules"), list) and "bytes" in u:  # a profile's unit: its linears' BF16 bytes
+            ws = [weight(n) for n in u["modules"]]
+            if any(w is None for w in ws):
+                gone = next(n for n, w in zip(u["modules"], ws) if w is None)
+                raise ValueError(other.format(f"it profiled {gone!r}, which the model has no linear for"))
+            held = sum(2 * w.numel() for w in ws)
+            if held != u["bytes"]:
+                raise ValueError(other.format(f"unit {u.get('name')} is {u['bytes']} B (BF16) in the plan, {held} B in "
+                                              "the model"))
+
+
 #: the ladder table's budgets: memory over the all-low model (weights and quant states, as loaded)
 MEMORY_POINTS = (0.05, 0.10, 0.25)
 #: the rung sets each budget is planned with: BF16 only (today's plan), INT8 only, the ladder
@@ -286,6 +429,15 @@ def _stock_low(model_path, low: str, dtype, double_quant: bool = False, skip: li
     if low != "int8":
         _reference_layout(model)
     return model.eval()
+
+
+def _all_bf16(model_path, dtype):
+    """The all-BF16 reference (every decoder linear on BF16, ``lm_head`` as loaded), loaded without a
+    quantiser: equal, tensor for tensor, to :func:`_stock_low` with every decoder linear skipped, which would
+    have bitsandbytes replace no module and transformers log "no linear modules were found"."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
 
 
 def _reference_layout(model) -> None:
@@ -347,7 +499,7 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
                            "is off by more than 1 %")
     l_low = _loss(stock, batches)
     del stock
-    l_high = _loss(_stock_low(model_path, low, dtype, double_quant, skip=[u.name for u in units]), batches)
+    l_high = _loss(_all_bf16(model_path, dtype), batches)  # every decoder linear on BF16: no quantiser to load
     rows = []
     for f in points:
         budget = int(f * low_bytes)

@@ -21,16 +21,27 @@ from gnmr_hf.units import UnitSpec
 # ------------------------------------------------------------------------------------------ planning
 
 
+#: the currencies a plan prices its units in: ``"bf16"`` (2 bytes a weight, what keeping a linear unquantised
+#: costs when served) or ``"held"`` (what the model's recovery path stores: 4 bytes a weight under FP32 storage)
+PRICES = ("bf16", "held")
+
+
 @dataclass
 class PrecisionPlan:
     """The units to keep on BF16 under a byte budget, chosen greedily by score per byte.
 
     Attributes:
         criterion: the score the plan was chosen by.
-        budget_bytes: the extra BF16 bytes allowed; ``total_bytes`` the quantised weights' BF16 bytes.
+        priced_in: the currency of ``budget_bytes``, ``total_bytes`` and ``bytes``: ``"bf16"`` (the default:
+            BF16 bytes, 2 a weight, whatever dtype the model's recovery path stores) or ``"held"`` (the bytes
+            the model's recovery path holds, :func:`plan`'s ``priced_in``).
+        budget_bytes: the extra bytes allowed; ``total_bytes`` the quantised weights' bytes (both in ``priced_in``).
         indices, names, modules: the chosen units (unit indices for ``set_active_units`` / a static policy,
             readable names, and the qualified names of their linears).
-        bytes: the chosen units' BF16 bytes.
+        bytes: the chosen units' bytes in ``priced_in``.
+        held_bytes: what the chosen units hold on the recovery path of the model the plan was made for (with
+            ``set_active_units(model, plan.indices)``): ``bytes`` for BF16 storage, twice the BF16 bytes for FP32;
+            None when neither the model nor the profile says (a profile written before it was recorded).
         predicted_gain: the sum of the chosen units' single gains (``loss`` or ``first_order`` scores; the
             criterion's own when it is a gain, else the profile's ``loss``, else ``first_order``); None
             without a gain score. ``predicted_gap_closed`` = predicted_gain / (L_low - L_high).
@@ -51,10 +62,12 @@ class PrecisionPlan:
     gain_score: str | None = None
     measured: dict[str, dict[str, float]] = field(default_factory=dict)
     keep_modules: list[str] = field(default_factory=list)
+    priced_in: str = "bf16"
+    held_bytes: int | None = None
 
     @property
     def fraction(self) -> float:
-        """The chosen bytes as a share of the quantised weights' BF16 bytes."""
+        """The chosen bytes as a share of the quantised weights' bytes (the same share in either currency)."""
         return self.bytes / self.total_bytes if self.total_bytes else 0.0
 
     @property
@@ -67,9 +80,13 @@ class PrecisionPlan:
 
     def summary(self) -> str:
         """A few lines: budget, chosen set, predicted and measured gap closed."""
-        lines = [f"plan by {self.criterion}: {len(self.indices)} unit(s), {self.bytes / 2**20:.1f} MiB BF16 = "
-                 f"{100 * self.fraction:.1f} % of the quantised weights' BF16 bytes (budget "
+        cur = "BF16" if self.priced_in == "bf16" else "held"
+        lines = [f"plan by {self.criterion}: {len(self.indices)} unit(s), {self.bytes / 2**20:.1f} MiB {cur} = "
+                 f"{100 * self.fraction:.1f} % of the quantised weights' {cur} bytes (budget "
                  f"{self.budget_bytes / 2**20:.1f} MiB, {100 * self.budget_fraction:.1f} %)"]
+        if self.held_bytes is not None and self.held_bytes != self.bytes:
+            lines.append(f"  held on the model's recovery path: {self.held_bytes / 2**20:.1f} MiB "
+                         f"({self.held_bytes / self.bytes:g} bytes per {cur} byte)")
         if self.predicted_gap_closed is not None:
             lines.append(f"  predicted gap closed (sum of single {self.gain_score} gains): "
                          f"{_fmt(self.predicted_gap_closed, '.3f')}")
@@ -87,6 +104,7 @@ class PrecisionPlan:
             "indices": list(self.indices), "names": list(self.names), "modules": list(self.modules),
             "predicted_gain": self.predicted_gain, "predicted_gap_closed": self.predicted_gap_closed,
             "gain_score": self.gain_score, "measured": self.measured, "skip_modules": self.skip_modules(),
+            "priced_in": self.priced_in, "held_bytes": self.held_bytes,
         })
 
 
@@ -112,23 +130,39 @@ def budget_error(sizes: Sequence[int], budget: int, names: Sequence[str] | None 
     return None
 
 
-def _budget(profile: SensitivityProfile, budget_bytes: int | None, budget_fraction: float | None) -> int:
+def _budget(sizes: Sequence[int], names: Sequence[str], budget_bytes: int | None,
+            budget_fraction: float | None) -> int:
     if (budget_bytes is None) == (budget_fraction is None):
         raise ValueError("give exactly one of budget_bytes and budget_fraction")
     if budget_fraction is not None:
         if not (isinstance(budget_fraction, (int, float)) and not isinstance(budget_fraction, bool)
                 and 0 < budget_fraction <= 1):
             raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction!r}")
-        budget = int(budget_fraction * profile.total_bytes)
+        budget = int(budget_fraction * sum(sizes))
     else:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be an integer >= 0, got {budget_bytes!r}")
         budget = budget_bytes
-    why = budget_error([u.bytes for u in profile.units], budget, [u.name for u in profile.units])
+    why = budget_error(sizes, budget, names)
     if why:
         given = f"budget_fraction {budget_fraction!r}: " if budget_fraction is not None else ""
         raise ValueError(given + why)
     return budget
+
+
+def held_unit_bytes(info: Sequence[_Unit]) -> list[int]:
+    """Each unit's bytes as its recovery path holds them while active: its linears' checkpoint weights in the
+    dtype the dual path keeps them (4 bytes a weight under FP32 storage), an INT8 rung's int8 weights and
+    row scales; 0 for a unit whose layers hold no recovery weight (MX, activation quantisation)."""
+    return [sum(m._gnmr_source.weight_bytes(m) for m in u.dual if getattr(m, "_gnmr_source", None) is not None)
+            for u in info]
+
+
+def _recorded_held(profile: SensitivityProfile) -> list[int] | None:
+    held = (profile.meta or {}).get("held_unit_bytes")
+    if isinstance(held, list) and len(held) == len(profile.units) and all(_is_int(b) and b >= 0 for b in held):
+        return list(held)
+    return None
 
 
 def _check_same_units(profile: SensitivityProfile, info: list[_Unit]) -> None:
@@ -195,11 +229,22 @@ def plan(
     heldout: Iterable[dict[str, Any]] | None = None,
     heldout_reference: tuple[float, float] | None = None,
     units: UnitSpec = None,
+    priced_in: str = "bf16",
 ) -> PrecisionPlan:
     """Choose the units to keep on BF16 within a byte budget, and (with ``model``) measure the choice.
 
-    Greedy by score per BF16 byte; units with a non-positive score are never chosen, so a plan may use
-    less than its budget. Single gains do not add, so the set's gain is measured: with ``model`` and
+    Greedy by score per byte; units with a non-positive score are never chosen, so a plan may use
+    less than its budget.
+
+    **The currency.** By default (``priced_in="bf16"``) a unit costs its BF16 bytes (2 a weight): what keeping
+    it unquantised adds to a served model, whatever dtype the training model's recovery path stores. A dual
+    path prepared with ``dtype=torch.float32`` (the CPU default) holds 4 bytes a weight, so
+    ``set_active_units(model, plan.indices)`` then holds twice ``plan.bytes``; the plan records what it
+    holds as ``held_bytes`` when it knows the model (``model=``, or a profile that recorded it).
+    ``priced_in="held"`` prices every unit, the budget and ``budget_fraction``'s total in the bytes the
+    model's recovery path holds instead, so the plan holds at most ``budget_bytes`` (with
+    ``budget_fraction`` the chosen set is the same in either currency; with ``budget_bytes`` under FP32
+    storage it is about half as many bytes of weights). Single gains do not add, so the set's gain is measured: with ``model`` and
     ``batches`` (the profile's batches: the profile's L_low and L_high are reused, one forward), and
     optionally ``heldout`` batches (three forwards: low, high, the plan).
 
@@ -214,6 +259,8 @@ def plan(
             units (count, names, bytes) against the profile's, the batches against the fingerprints (or, for an
             older profile, the target-token counts) the profile recorded; a mismatch is a ValueError.
         heldout_reference: ``(L_low, L_high)`` on ``heldout`` when already measured (saves two forwards).
+        priced_in: ``"bf16"`` or ``"held"`` (see above; ``"held"`` needs ``model`` or a profile taken by
+            :func:`profile_sensitivity`, which records each unit's held bytes).
 
     Returns:
         A :class:`PrecisionPlan`; :func:`skip_modules` turns it into ``llm_int8_skip_modules``.
@@ -223,20 +270,37 @@ def plan(
             message gives both), ``budget_fraction`` outside (0, 1], another model or other batches.
     """
     name = profile._score_name(criterion)
-    budget = _budget(profile, budget_bytes, budget_fraction)
-    chosen = greedy_select(profile.scores(name), [u.bytes for u in profile.units], budget)
+    if priced_in not in PRICES:
+        raise ValueError(f"priced_in={priced_in!r}: one of {PRICES} (BF16 bytes, or the bytes the model's recovery "
+                         "path holds)")
+    info = None
+    if model is not None:
+        info = _units(model, units)
+        _check_same_units(profile, info)
+        held = held_unit_bytes(info)
+    else:
+        held = _recorded_held(profile)
+    if priced_in == "held":
+        if held is None:
+            raise ValueError("priced_in='held' prices the bytes the model's recovery path holds: give the model "
+                             "(plan(..., model=model)), or a profile from profile_sensitivity, which records them")
+        sizes = held
+    else:
+        sizes = [u.bytes for u in profile.units]
+    budget = _budget(sizes, [u.name for u in profile.units], budget_bytes, budget_fraction)
+    chosen = greedy_select(profile.scores(name), sizes, budget)
     gain_score = name if name in GAIN_SCORES else next((s for s in GAIN_SCORES if s in profile.score_names), None)
     predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
     gap = profile.gap
     result = PrecisionPlan(
-        criterion=name, budget_bytes=budget, total_bytes=profile.total_bytes, indices=chosen,
+        criterion=name, budget_bytes=budget, total_bytes=sum(sizes), indices=chosen,
         names=[profile.units[i].name for i in chosen],
         modules=[m for i in chosen for m in profile.units[i].modules],
-        bytes=sum(profile.units[i].bytes for i in chosen), predicted_gain=predicted,
+        bytes=sum(sizes[i] for i in chosen), predicted_gain=predicted,
         predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
-        keep_modules=list(profile.keep_modules))
+        keep_modules=list(profile.keep_modules), priced_in=priced_in,
+        held_bytes=None if held is None else sum(held[i] for i in chosen))
     if model is not None:
-        _check_same_units(profile, _units(model, units))
         if batches is not None:
             prepared, counts = _prepare_batches(model, batches)
             _check_same_batches(profile, prepared, counts)
