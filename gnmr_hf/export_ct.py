@@ -1,0 +1,434 @@
+"""The precision ladder as a compressed-tensors checkpoint: one folder that stock transformers loads with no
+arguments and vLLM serves natively, each decoder linear at its planned rung.
+
+``export_compressed_tensors(model_path, plan, out_dir, adapter=None, group_size=128)`` merges the adapter
+(a PEFT LoRA folder, optional) into the original BF16 weights (not into 4-bit values), then writes every
+decoder linear through the ``compressed-tensors`` library (``QuantizationConfig`` / ``apply_quantization_config``
+/ ``calculate_qparams`` / ``ModelCompressor``, the steps llm-compressor takes without calibration data):
+
+=============  ===========================================================================================
+rung           stored as
+=============  ===========================================================================================
+low (default)  ``W4A16``: INT4 weight-only, group-wise symmetric (group 128: vLLM's W4A16 preset), BF16 scales
+``int8``       ``W8A16``: INT8 weight-only, per output channel, symmetric, BF16 scales
+``bf16``       unquantised, in ``quantization_config.ignore`` (as ``lm_head`` and every non-decoder module)
+=============  ===========================================================================================
+
+Both quantised schemes are stored ``pack-quantized`` (int32-packed codes, ``weight_scale``, ``weight_shape``).
+Every quantised linear is named in its config group's ``targets`` (no ``Linear`` class target): vLLM resolves a
+fused module (``qkv_proj``, ``gate_up_proj``) by its members' names and takes the first member's scheme, so the
+export refuses a plan that puts the members of a fused group on different rungs
+(:func:`gnmr_hf.planning.groups.split_groups`; plan with groups) unless ``target="transformers"``, a folder for
+transformers only, which its model card states.
+
+The INT4 rung has no NF4: a plan profiled against NF4 ranks the gains of another quantiser. :func:`int4_fake_quant`
+is the export's INT4 quantiser in plain torch (quantise, dequantise; bit-exact to the library's on the same BF16
+weight, tests/test_export_ct.py), the low path to profile a plan meant for this export against;
+:func:`fake_quantize_model` applies the whole plan to a model in place (the reference the tests compare the stock
+load against).
+
+Quantisation runs on the CPU, in the weights' BF16, as the library computes there (on a CUDA device it would
+divide in FP32 in a Triton kernel, which can round a code differently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gnmr_hf.export import ExportError
+
+#: the schemes by rung (the low rung is every decoder linear the plan does not name)
+SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
+TARGETS = ("vllm", "transformers")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+SERVE_EXTRA = "the compressed-tensors export needs the serve extra: pip install 'gnmr_hf[serve]' (compressed-tensors)"
+
+
+def _require_compressed_tensors():
+    try:
+        import compressed_tensors
+    except ImportError as e:
+        raise ImportError(SERVE_EXTRA) from e
+    return compressed_tensors
+
+
+# ------------------------------------------------------------------------------------ the quantiser
+
+
+def weight_fake_quant(weight, num_bits: int, group_size: int | None = None):
+    """Symmetric integer quantise-dequantise of a ``(out, in)`` weight as compressed-tensors computes it:
+    scales from each group's (``group_size`` columns; ``None``: the whole row, per channel) absolute maximum,
+    ``scale = max(|min(w, 0)|, |max(w, 0)|) / ((2**bits - 1) / 2)`` in the weight's dtype (an all-zero group gets
+    the dtype's eps), codes ``round(clamp(w / scale, -2**(bits-1), 2**(bits-1) - 1))``, value ``code * scale``.
+    Returns the dequantised weight in ``weight``'s dtype; pass the BF16 weight the export quantises."""
+    import torch
+
+    w = weight.detach()
+    rows, cols = w.shape
+    g = cols if group_size is None else int(group_size)
+    if g <= 0 or cols % g:
+        raise ValueError(f"group_size {group_size} does not divide the weight's {cols} columns")
+    x = w.reshape(rows, cols // g, g)  # (out, groups, group)
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    lo, hi = torch.minimum(x.amin(-1), zero), torch.maximum(x.amax(-1), zero)  # 0 always representable
+    q_min, q_max = -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1
+    # the library divides by its code range cast to the weight's dtype, halved there
+    half = torch.tensor(float(q_max - q_min)).to(w.dtype) / 2
+    scale = torch.maximum(lo.abs(), hi.abs()) / half
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
+    codes = torch.round(torch.clamp(x / scale.unsqueeze(-1), q_min, q_max)).to(torch.int8)
+    return (codes.to(w.dtype) * scale.unsqueeze(-1)).reshape(rows, cols)
+
+
+def int4_fake_quant(weight, group_size: int = 128):
+    """The export's low rung (W4A16: INT4, group-wise symmetric) as quantise-dequantise, bit-exact to the
+    served weight when given the BF16 weight the export quantises (see :func:`weight_fake_quant`)."""
+    return weight_fake_quant(weight, 4, group_size)
+
+
+def int8_fake_quant(weight):
+    """The export's INT8 rung (W8A16: per output channel, symmetric) as quantise-dequantise."""
+    return weight_fake_quant(weight, 8, None)
+
+
+def fake_quantize_model(model, rungs: Mapping[str, str], group_size: int = 128, linears: list[str] | None = None):
+    """``model`` (in place) with every decoder linear's weight quantised-dequantised at its rung: INT4
+    (:func:`int4_fake_quant`) unless ``rungs`` puts it on ``"int8"`` (:func:`int8_fake_quant`) or ``"bf16"``
+    (unchanged). The weights are quantised in their own dtype: give a BF16 model to reproduce the export, then
+    cast it (``.float()``) to compute in FP32. Returns ``model``."""
+    import torch
+
+    from gnmr_hf.planning.groups import decoder_linears
+
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name in linears if linears is not None else decoder_linears(model):
+            rung = rungs.get(name, "low")
+            if rung == "bf16":
+                continue
+            w = modules[name].weight
+            w.copy_(int8_fake_quant(w) if rung == "int8" else int4_fake_quant(w, group_size))
+    return model
+
+
+def _weight_args(rung: str, group_size: int):
+    """The library's ``QuantizationArgs`` of a rung's weights (W4A16 is vLLM's preset, its group size set)."""
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+
+    if rung == "int8":
+        return QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
+    args = preset_name_to_scheme("W4A16", ["Linear"]).weights
+    return args if args.group_size == group_size else args.model_copy(update={"group_size": group_size})
+
+
+# --------------------------------------------------------------------------------------- the plan
+
+
+def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any], Path | None]:
+    """``{linear: rung}`` (``"int8"`` / ``"bf16"``; every other decoder linear low) from a mapping, or from a
+    ``profile.json`` (or the folder holding it): a ladder plan's ``rungs`` mapping, or a BF16 plan's
+    ``skip_modules`` list (every entry ``"bf16"``; the entries that are no decoder linear, such as ``lm_head``,
+    stay unquantised anyway). Returns the rungs, the file's data (``{}`` for a mapping) and its path."""
+    from gnmr_hf.backends.recovery import RUNGS
+
+    if isinstance(plan, Mapping):
+        data, path, rungs = {}, None, dict(plan)
+    else:
+        path = Path(plan)
+        if path.is_dir():
+            path = path / "profile.json"
+        if not path.is_file():
+            raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ExportError(f"{path} is not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ExportError(f"{path} holds no plan (a JSON object with rungs or skip_modules)")
+        if isinstance(data.get("rungs"), dict):
+            rungs = dict(data["rungs"])
+        elif isinstance(data.get("skip_modules"), list) and all(isinstance(s, str) for s in data["skip_modules"]):
+            rungs = {s: "bf16" for s in data["skip_modules"]}
+        else:
+            raise ExportError(f"{path} holds no plan: neither a rungs mapping (a ladder plan) nor a skip_modules list "
+                              "(gnmr-hf profile --budget)")
+    bad = {n: r for n, r in rungs.items() if not isinstance(n, str) or r not in RUNGS}
+    if bad:
+        name, rung = next(iter(bad.items()))
+        raise ExportError(f"the plan puts {name!r} on {rung!r}: each rung is one of {', '.join(RUNGS)}")
+    return rungs, data, path
+
+
+def _check_model_folder(model_path: Path) -> dict[str, Any]:
+    if not (model_path / "config.json").is_file():
+        raise ExportError(f"{model_path} is not a model folder (no config.json)")
+    if not list(model_path.glob("*.safetensors")):
+        raise ExportError(f"{model_path} holds no .safetensors weights (the BF16 checkpoint is needed)")
+    config = json.loads((model_path / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
+                          "export from the original BF16 checkpoint")
+    return config
+
+
+def _largest_group(in_features: list[int], upto: int) -> int | None:
+    g = 1 << (max(upto, 1).bit_length() - 1)
+    while g >= 16:
+        if all(n % g == 0 for n in in_features):
+            return g
+        g //= 2
+    return None
+
+
+def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], group_size: int, target: str):
+    """Everything about the plan against the model, from its config alone (a meta model): the linears' names and
+    shapes, the decoder linears, the serving groups; one-line :class:`ExportError` on a mismatch."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gnmr_hf.planning.groups import (
+        ServingLayoutError,
+        decoder_linears,
+        describe_split,
+        serving_groups,
+        split_groups,
+    )
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    modules = dict(meta.named_modules())
+    linears = decoder_linears(meta)
+    decoder = set(linears)
+    foreign = [n for n in rungs if n not in modules]
+    if foreign:
+        raise ExportError(f"the plan names {foreign[0]!r}, which is not a module of {model_path} ({len(linears)} "
+                          f"decoder linears, e.g. {linears[0]}): a plan made for another model?")
+    not_decoder = [n for n, r in rungs.items() if n not in decoder and r == "int8"]
+    if not_decoder:
+        raise ExportError(f"the plan puts {not_decoder[0]!r} on INT8, which is not a decoder linear of {model_path}")
+    units = data.get("units") if isinstance(data.get("units"), list) else []
+    if units and len(units) not in (len(linears), meta.config.num_hidden_layers):
+        raise ExportError(f"the profile has {len(units)} units; {model_path} has {len(linears)} decoder linears and "
+                          f"{meta.config.num_hidden_layers} layers: a profile of another model")
+    rungs = {n: r for n, r in rungs.items() if n in decoder}
+    low = [n for n in linears if n not in rungs]
+    short = [n for n in low if modules[n].in_features % group_size]
+    if group_size <= 0 or short:
+        g = _largest_group([modules[n].in_features for n in low], group_size) if group_size > 0 else None
+        fix = f"use group_size={g}" if g else "no power-of-two group size of at least 16 divides them all"
+        where = f"the input size of {short[0]} ({modules[short[0]].in_features})" if short else "positive sizes"
+        raise ExportError(f"group_size {group_size} does not divide {where}: {fix}")
+    groups = None
+    if target == "vllm":
+        try:
+            groups = serving_groups(meta, linears)
+        except ServingLayoutError as e:
+            raise ExportError(f"{e}: export with target='transformers' for a transformers-only folder") from None
+        split = split_groups(rungs, groups)
+        if split:
+            raise ExportError(f"the plan splits {len(split)} serving group(s) vLLM fuses: {describe_split(split, rungs)}; "
+                              "vLLM needs one scheme per fused group: plan with serving groups "
+                              "(gnmr_hf.planning.groups), or export with target='transformers' for a transformers-only "
+                              "folder")
+    shapes = {n: (modules[n].out_features, modules[n].in_features, modules[n].bias is not None) for n in linears}
+    other = sum(p.numel() for n, p in meta.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
+    return rungs, linears, shapes, other, groups
+
+
+def ct_tensor_bytes(shapes: Mapping[str, tuple[int, int, bool]], rungs: Mapping[str, str], other_params: int,
+                    group_size: int = 128) -> int:
+    """The bytes of the tensors a compressed-tensors folder stores (safetensors data, headers aside): per
+    quantised linear its int32-packed codes, BF16 scales (one per group, or per row for INT8) and int64
+    ``weight_shape``; unquantised linears, biases and every other parameter (``other_params``, tied ones once)
+    in BF16. ``rungs`` as in :func:`fake_quantize_model` (``{}``: uniform W4A16)."""
+    total = 2 * other_params
+    for name, (out_f, in_f, bias) in shapes.items():
+        rung = rungs.get(name, "low")
+        total += 2 * out_f if bias else 0
+        if rung == "bf16":
+            total += 2 * out_f * in_f
+            continue
+        bits, scales = (8, out_f) if rung == "int8" else (4, out_f * (in_f // group_size))
+        total += 4 * out_f * -(-in_f * bits // 32) + 2 * scales + 16
+    return total
+
+
+def _safetensors_bytes(folder: Path) -> int:
+    """The data bytes of the safetensors files in ``folder`` (each file less its 8-byte length and header)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = int.from_bytes(fh.read(8), "little")
+        total += f.stat().st_size - 8 - header
+    return total
+
+
+# ------------------------------------------------------------------------------------------ the export
+
+
+def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.PathLike | Mapping[str, str],
+                              out_dir: str | os.PathLike, adapter: str | os.PathLike | None = None,
+                              group_size: int = 128, force: bool = False, target: str = "vllm",
+                              measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``model_path`` (with ``adapter`` merged) as a compressed-tensors folder at the plan's rungs.
+
+    Args:
+        model_path: the BF16 model folder (safetensors).
+        plan: ``{linear: "int8" | "bf16"}``, or a ``profile.json`` / its folder (a ladder plan's ``rungs`` or a
+            BF16 plan's ``skip_modules``); every other decoder linear goes to W4A16.
+        out_dir: the folder to write (the --force contract of :mod:`gnmr_hf.export_folder`).
+        adapter: a PEFT LoRA folder merged into the BF16 weights first (post-training quantisation without).
+        group_size: the W4A16 group (128: vLLM's preset); it must divide every low linear's input size.
+        force: replace an earlier export at ``out_dir``.
+        target: ``"vllm"`` (refuses a plan that splits a fused group) or ``"transformers"`` (allows it).
+        measured: figures for the model card (e.g. ``{"held-out loss": 2.31}``), measured by the caller.
+
+    Returns:
+        A summary: the folder, the scheme counts, the tensor bytes of this folder, of the uniform W4A16 model
+        and of BF16, the bytes on disk.
+
+    Raises:
+        ImportError: the ``serve`` extra (compressed-tensors) is missing.
+        ExportError / OutputFolderError: bad input, in one line, before anything is written.
+    """
+    _require_compressed_tensors()
+    from gnmr_hf.export_folder import check_output, staged_output
+
+    if target not in TARGETS:
+        raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ExportError(f"group_size must be an integer, got {group_size!r}")
+    model_path = Path(model_path)
+    _check_model_folder(model_path)
+    rungs, data, plan_path = read_rungs(plan)
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
+    protect = [("model folder", model_path, True)]
+    if adapter is not None:
+        protect.append(("adapter folder", adapter, True))
+    if plan_path is not None:
+        protect.append(("profile's folder", plan_path.parent, False))
+    out = check_output(out_dir, force, protect)
+    rungs, linears, shapes, other, groups = _check_plan(model_path, rungs, data, group_size, target)
+
+    counts = {SCHEMES[r]: sum(1 for n in linears if rungs.get(n, "low") == r) for r in SCHEMES}
+    summary = {"folder": str(out), "format": "compressed-tensors", "target": target, "group_size": group_size,
+               "schemes": counts, "rungs": {n: rungs[n] for n in linears if n in rungs},
+               "adapter": str(adapter) if adapter is not None else None,
+               "tensor_bytes": ct_tensor_bytes(shapes, rungs, other, group_size),
+               "w4a16_tensor_bytes": ct_tensor_bytes(shapes, {}, other, group_size),
+               "bf16_tensor_bytes": ct_tensor_bytes(shapes, dict.fromkeys(shapes, "bf16"), other, group_size),
+               "measured": dict(measured or {}), "plan": data.get("plan")}
+    marker = {"format": "compressed-tensors", "model": str(model_path), "plan": str(plan_path) if plan_path else None,
+              "adapter": summary["adapter"]}
+    with staged_output(out, marker) as tmp:
+        model = _merged_bf16(model_path, adapter)
+        _write(model, rungs, linears, group_size, tmp)
+        del model
+        for f in _TOKENIZER_FILES:
+            if (model_path / f).is_file() and not (tmp / f).exists():
+                shutil.copy2(model_path / f, tmp / f)
+        written = _safetensors_bytes(tmp)
+        if written != summary["tensor_bytes"]:
+            raise RuntimeError(f"the folder's tensors hold {written} bytes, {summary['tensor_bytes']} predicted: "
+                               "the size accounting is off")
+        (tmp / "README.md").write_text(model_card(summary, model_path))
+    summary["bytes_on_disk"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return summary
+
+
+def _merged_bf16(model_path: Path, adapter):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    return model.eval()
+
+
+def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int, folder: Path) -> None:
+    """The library's own steps: schemes attached, scales computed from the weights, codes packed, saved."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    low = [n for n in linears if rungs.get(n, "low") == "low"]
+    int8 = [n for n in linears if rungs.get(n) == "int8"]
+    groups = {}
+    if low:
+        groups["group_0"] = QuantizationScheme(targets=low, weights=_weight_args("low", group_size))
+    if int8:
+        groups[f"group_{len(groups)}"] = QuantizationScheme(targets=int8, weights=_weight_args("int8", group_size))
+    ignore = ["lm_head"] + [n for n in linears if rungs.get(n) == "bf16"]
+    if groups:
+        apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=ignore), show_progress=False)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name in low + int8:
+            m = modules[name]
+            args = m.quantization_scheme.weights
+            w = m.weight  # (out, in), BF16
+            x = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size)) if args.group_size else w.unsqueeze(1)
+            scale, zero = calculate_qparams(x.amin(-1), x.amax(-1), args)  # (out, groups): the min-max observer's
+            update_offload_parameter(m, "weight_scale", scale.reshape(m.weight_scale.shape))
+            if hasattr(m, "weight_zero_point"):
+                update_offload_parameter(m, "weight_zero_point", zero.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model) if groups else None
+    if compressor is not None:
+        compressor.compress_model(model)
+    model.save_pretrained(folder)
+    if compressor is not None:
+        compressor.update_config(str(folder))
+
+
+def model_card(summary: dict[str, Any], model_path: Path) -> str:
+    """The folder's README.md: the scheme of every linear (counts), the sizes, what loads it."""
+    mib = 2**20
+    c = summary["schemes"]
+    lines = ["---", "library_name: transformers", "tags: [gnmr_hf, compressed-tensors, mixed-precision, w4a16]", "---",
+             "", f"# {model_path.name}: the precision ladder as a compressed-tensors checkpoint", "",
+             f"Exported by `gnmr_hf.export_compressed_tensors` from `{model_path}`"
+             + (f", the LoRA adapter `{summary['adapter']}` merged into the original BF16 weights first." if
+                summary["adapter"] else ", no adapter (the base model quantised for serving)."), "",
+             "| scheme | decoder linears |", "|---|---|",
+             f"| W4A16: INT4 weight-only, group {summary['group_size']}, symmetric | {c['W4A16']} |",
+             f"| W8A16: INT8 weight-only, per channel, symmetric | {c['W8A16']} |",
+             f"| BF16 (unquantised, in `ignore`) | {c['BF16']} |", "",
+             "`lm_head`, the embeddings and the norms stay unquantised. Linears above the INT4 rung:", ""]
+    lines += [f"- `{n}`: {SCHEMES[r]}" for n, r in summary["rungs"].items()] or ["- none"]
+    lines += ["", "| | tensor bytes |", "|---|---|",
+              f"| this folder | {summary['tensor_bytes'] / mib:.2f} MiB |",
+              f"| every decoder linear W4A16 | {summary['w4a16_tensor_bytes'] / mib:.2f} MiB |",
+              f"| BF16 | {summary['bf16_tensor_bytes'] / mib:.2f} MiB |", ""]
+    over = summary["tensor_bytes"] / summary["w4a16_tensor_bytes"] - 1
+    lines += [f"Over uniform W4A16: **{100 * over:+.1f} %** of the tensor bytes.", ""]
+    if summary["measured"]:
+        lines += ["Measured (by the caller of the export):", ""]
+        lines += [f"- {k}: {v}" for k, v in summary["measured"].items()] + [""]
+    else:
+        lines += ["Loss: not measured by the export; score the folder with `gnmr-hf eval --model FOLDER`.", ""]
+    if summary["target"] == "transformers":
+        lines += ["**For transformers only**: the plan puts members of a group vLLM fuses (q/k/v, gate/up) on "
+                  "different schemes, which vLLM refuses or mis-assigns.", ""]
+    else:
+        lines += ["Served by vLLM (`vllm serve FOLDER`: compressed-tensors, the W4A16 / W8A16 weight-only kernels); "
+                  "q/k/v and gate/up of each layer share one scheme, as vLLM's fused modules need.", ""]
+    lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM",
+              "model = AutoModelForCausalLM.from_pretrained(FOLDER)   # no arguments; needs compressed-tensors",
+              "```", ""]
+    return "\n".join(lines)
