@@ -16,12 +16,13 @@ dual-path modules); this callback only moves the masks.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
 from transformers.trainer_callback import TrainerCallback
 
-from gnmr_hf.sparse.layer import REGROW, SparseLinear, _mix, sparse_linears
+from gnmr_hf.sparse.layer import REGROW, _mix, sparse_linears
 from gnmr_hf.sparse.optim import SparseAdamW
 
 
@@ -60,6 +61,11 @@ class DSTCallback(TrainerCallback):
         self.seed, self.end_step, self.log_path = seed, end_step, log_path
         self.updates: list[dict] = []  # this process's updates: {"step", "moved": [per layer]}
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed run repeats the steps after its checkpoint: drop their lines from the log
+        if self.log_path and state.global_step > 0 and state.is_world_process_zero and os.path.isfile(self.log_path):
+            cut_jsonl(self.log_path, state.global_step)
+
     def is_update_step(self, step: int) -> bool:
         return step % self.update_every == 0 and (self.end_step is None or step <= self.end_step)
 
@@ -87,9 +93,19 @@ class DSTCallback(TrainerCallback):
                 f.write(json.dumps(record) + "\n")
 
 
+def cut_jsonl(path: str, step: int) -> None:
+    """Keep the lines of a JSONL log whose ``step`` is at most ``step``."""
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 def topology(model) -> dict[str, torch.Tensor]:
     """Each :class:`SparseLinear`'s active block ids, sorted (for comparisons of two runs)."""
     return {name: layer.index.sort().values.clone() for name, layer in sparse_linears(model)}
 
 
-__all__ = ["DSTCallback", "SparseLinear", "find_sparse_optimizer", "topology"]
+__all__ = ["DSTCallback", "find_sparse_optimizer", "topology"]
