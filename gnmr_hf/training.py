@@ -25,8 +25,20 @@ def prepare_for_training(model, use_gradient_checkpointing: bool = True,
         kwargs = dict(gradient_checkpointing_kwargs or {})
         if kwargs.get("use_reentrant", True):
             model.enable_input_require_grads()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+        enable_checkpointing(model, kwargs or None)
     return model
+
+
+def enable_checkpointing(model, kwargs: dict[str, Any] | None = None) -> None:
+    """Activation (gradient) checkpointing on ``model`` through the current transformers API:
+    ``activation_checkpointing_enable`` where the release has it (``gradient_checkpointing_enable`` is its
+    deprecated alias there, with a ``FutureWarning``), else ``gradient_checkpointing_enable`` (older releases).
+    ``kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (None: transformers' default)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def linear_weight_bytes(model, names) -> dict[str, int]:
