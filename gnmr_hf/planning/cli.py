@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "smollm2-135m-instruct (default), gemma3-270m")
     p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
     p.add_argument("--budget", default="10%",
-                   help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), or extra "
-                        "BF16 bytes: a percentage of the quantised weights' BF16 bytes (10%%), a fraction "
-                        "in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B; a bare number above 1 is "
+                   help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), a size "
+                        "over it (300MB, 2GiB, 123456B, as served), or a share of the quantised weights' BF16 "
+                        "bytes: a percentage (10%%) or a fraction in (0, 1] (0.1) (a bare number above 1 is "
                         "refused as ambiguous); it must buy at least the smallest linear and stay within the total "
                         "(checked once the model is loaded, before profiling); default 10%%")
     p.add_argument("--output", "-o", required=True,
@@ -323,6 +323,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"[profile] budget {args.budget}: {over_low['over_low_bytes'] / 2**20:.2f} MiB over the "
               f"{over_low['low_model_bytes'] / 2**20:.1f} MiB {args.low} model = {budget_bytes / 2**20:.2f} MiB of "
               f"BF16 weights ({100 * budget_bytes / sum(sizes):.1f} % of the quantised linears')", flush=True)
+    elif budget_bytes is not None:  # a size is bytes over the all-low model as served, as in the recipes
+        budget_bytes = int(budget_bytes * over_low["min_bf16_per_over_byte"])
     want = budget_bytes if budget_bytes is not None else int(budget_fraction * sum(sizes))
     why = budget_error(sizes, want, unit_names)
     if why:
