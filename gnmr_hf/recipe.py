@@ -207,8 +207,10 @@ class ProfileArguments:
     per byte), and train with that plan.
 
     Args:
-        budget (`str`): extra BF16 bytes: a percentage of the quantised weights' BF16 bytes (``"10%"``),
-            a fraction (``0.1``) or a size (``"300MB"``); see ``gnmr_hf.planning.parse_budget``.
+        budget (`str`): what the plan may add to the served model over the all-NF4 model, whatever the
+            compute dtype (the one budget currency, docs/profile.md): ``"+10%nf4"`` (of the NF4 model), a size
+            (``"300MB"``) or a share (``"10%"``, ``0.1``) of what keeping every quantised linear on BF16 adds;
+            see ``gnmr_hf.planning.budget.served_budget``.
         criterion (`str`): the profile criterion (``gnmr_hf.planning.CRITERIA``; default its default).
         batches (`int`): training batches to profile on.
         policy (`str`): ``static``: the planned set on BF16 at every step (``gnmr_hf.StaticPolicy``);
