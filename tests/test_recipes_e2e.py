@@ -267,7 +267,7 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     base, planned, gnmr = rows
     # the planned run: its plan in run.json and named under the table, its profile.json beside the adapter
     plan = json.loads((out / "planned-nf4" / "run.json").read_text())["profile"]["plan"]
-    assert planned["plan"] == plan and plan["indices"] and plan["bytes"] <= plan["budget_bytes"]
+    assert planned["plan"] == plan and plan["indices"] and plan["price_over_nf4_bytes"] <= plan["budget_bytes"]
     assert json.loads((out / "planned-nf4" / "profile.json").read_text())["skip_modules"]
     assert f"planned-nf4: {len(plan['indices'])} linears kept on BF16" in (out / "summary_nf4.md").read_text()
     assert planned["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]
