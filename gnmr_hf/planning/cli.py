@@ -388,8 +388,10 @@ def _run(args: argparse.Namespace) -> int:
         try:
             from gnmr_hf.reporting.profile_plot import plot_profile
 
-            written.append(str(plot_profile(prof, price, out / "profile.png", name,
-                                            title=f"{Path(str(model_path)).name}, {args.low}: profiled on {prof.tokens} target tokens")))
+            # x axis: memory over the all-low model, the price tables' currency; the ladder's rows beside
+            title = f"{Path(str(model_path)).name}, {args.low}: profiled on {prof.tokens} target tokens"
+            written.append(str(plot_profile(prof, price, out / "profile.png", name, title=title, over_low=over_low,
+                                            ladder=ladder_rows)))
         except ImportError:
             print("[profile] matplotlib is not installed: no profile.png (pip install matplotlib)", file=sys.stderr)
     print()
