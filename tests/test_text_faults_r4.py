@@ -86,8 +86,10 @@ def test_the_stress_recipe_refuses_it(tmp_path, word_tokenizer):
     import pretrain
 
     _write(tmp_path, {"latin1.txt": LATIN1})
+    (tmp_path / "cache").mkdir()
     with pytest.raises(ValueError, match="latin1.txt is not UTF-8: byte 0xe9 at offset 9"):
         pretrain.tokenize_files(word_tokenizer, [tmp_path / "latin1.txt"], tmp_path / "cache", "train")
+    assert not list((tmp_path / "cache").iterdir())  # nothing cached from the refused file
 
 
 # ---------------------------------------------------------------- a held-out split with no block
@@ -130,10 +132,9 @@ def _mixed(folder: Path) -> None:
 
 def test_a_folder_skips_and_counts_hidden_and_binary_files(tmp_path, word_tokenizer):
     _mixed(tmp_path)
-    files, skipped = text_data.scan_text_files(tmp_path)
+    files = text_data.text_files(tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p in files] == ["a.txt", "late_nul.txt", "sub/b.md"]
-    assert skipped == {"skipped_hidden": 3, "skipped_binary": 1}
-    assert text_data.text_files(tmp_path) == files
+    assert text_data.scan_text_files(tmp_path) == (files, {"skipped_hidden": 3, "skipped_binary": 1})
     (tmp_path / "late_nul.txt").unlink()
     train, _, summary = text_data.text_task(tmp_path, word_tokenizer, block_size=2, heldout_every=0)
     # a b c <eos> d e <eos>: only the two visible text files' tokens
@@ -145,8 +146,9 @@ def test_a_folder_skips_and_counts_hidden_and_binary_files(tmp_path, word_tokeni
 def test_a_glob_skips_and_counts_them_too(tmp_path):
     _mixed(tmp_path)
     _write(tmp_path, {"logo.png": PNG})
-    files, skipped = text_data.scan_text_files(str(tmp_path / "**" / "*"))
+    files = text_data.text_files(str(tmp_path / "**" / "*"))
     assert [p.relative_to(tmp_path).as_posix() for p in files] == ["a.txt", "late_nul.txt", "sub/b.md"]
+    files, skipped = text_data.scan_text_files(str(tmp_path / "**" / "*"))
     assert skipped["skipped_binary"] == 2  # image.txt, logo.png
     if sys.version_info >= (3, 11):  # glob's include_hidden: the hidden matches are seen, so counted
         assert skipped["skipped_hidden"] == 3
