@@ -7,10 +7,29 @@ quantised linears in bitsandbytes' 4-bit (NF4 / FP4) or INT8 serialisation, the 
 by full dotted name, the tokenizer, and a model card (``README.md``). It is the layout of the
 pre-quantised ``*-bnb-4bit`` checkpoints practitioners share.
 
-Serving names: each entry is a module's full dotted name (``model.layers.1.self_attn.v_proj``), which
-selects exactly that module under transformers' rule (an entry matches from the start of a name up to a
-module boundary, as a regex, or as a suffix) and vLLM's (a dotted-name prefix): ``layers.1`` never catches
-``layers.11``. :func:`selected_by` applies both rules; the tests check every exported entry with it.
+Who loads what (``target``, ``--target``; the skip list is matched by each loader against its *own*
+module names):
+
+- **transformers** (``from_pretrained(folder)``): every kept linear is listed by its full dotted name
+  (``model.layers.1.self_attn.v_proj``), which selects exactly that module under transformers' rule (an
+  entry matches from the start of a name up to a module boundary, as a regex, or as a suffix:
+  :func:`transformers_selects`), so ``layers.1`` never catches ``layers.11``.
+- **vLLM** fuses q/k/v into one ``...self_attn.qkv_proj`` and gate/up into one ``...mlp.gate_up_proj``
+  (:mod:`gnmr_hf.planning.groups`: the layout per architecture) and keeps a module unquantised when a skip
+  entry equals one of its dotted components or leading dotted parts (``is_layer_skipped_bnb``): a leaf name
+  such as ``...v_proj`` matches no vLLM module. So ``target="vllm"`` (the default) also lists, for every
+  kept fused group, the fused name vLLM matches (``model.layers.1.self_attn.qkv_proj``,
+  ``model.layers.1.mlp.gate_up_proj``); o_proj and down_proj are their own groups. transformers matches no
+  module by these aliases (checked at export time), so they change nothing it keeps. A fused module has one
+  quantisation, so a plan that keeps part of a group (``v_proj`` but not ``q_proj``) cannot be served by
+  vLLM: it is refused for ``target="vllm"`` in one line naming the split groups (the fix: a grouped plan,
+  ``groups='vllm'``), and a model whose fused layout is unknown is refused likewise.
+- ``target="transformers"`` writes the leaf names only, whatever the grouping: a folder for transformers
+  (and PEFT on top) only, which its model card states; vLLM cannot load it.
+
+:func:`selected_by` applies transformers' rule and the plain dotted-prefix rule to a list of names;
+:func:`serving_skip_entries` builds the vLLM list and checks both rules on both name sets; the tests
+(tests/test_export_vllm.py) check every exported entry per architecture, and load the folder.
 
 ``merge=True`` writes a merged BF16 model instead: the adapter folded into the original BF16 weights (not
 into the quantised ones), the portable route for a server without bitsandbytes.
@@ -29,6 +48,7 @@ from typing import Any
 from gnmr_hf.export_folder import OutputFolderError, check_output, staged_output
 
 QUANTS = ("nf4", "fp4", "int8")
+TARGETS = ("vllm", "transformers")  # which server's module names the skip list is written for
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
@@ -44,14 +64,79 @@ def transformers_selects(entry: str, name: str) -> bool:
 
 
 def vllm_selects(entry: str, name: str) -> bool:
-    """vLLM's rule for ``llm_int8_skip_modules``: a dotted-name prefix."""
-    return name == entry or name.startswith(entry + ".")
+    """vLLM's rule for ``llm_int8_skip_modules`` (:func:`gnmr_hf.planning.groups.is_layer_skipped_bnb`): ``entry``
+    equals a dotted component of ``name`` or one of its leading dotted parts. Meaningful on vLLM's module
+    names (fused ``qkv_proj`` / ``gate_up_proj``); on transformers' names it is the dotted-prefix part only."""
+    from gnmr_hf.planning.groups import is_layer_skipped_bnb
+
+    return is_layer_skipped_bnb(name, [entry])
 
 
 def selected_by(entry: str, names: list[str]) -> dict[str, list[str]]:
     """The module names ``entry`` selects under each rule."""
     return {"transformers": [n for n in names if transformers_selects(entry, n)],
             "vllm": [n for n in names if vllm_selects(entry, n)]}
+
+
+def serving_skip_entries(skips: list[str], model: Any, target: str = "vllm") -> dict[str, Any]:
+    """The ``llm_int8_skip_modules`` to write for ``target``, checked against both loaders' rules.
+
+    Args:
+        skips: the plan's list (full dotted transformers names: its kept linears and ``keep_modules``).
+        model: the transformers model (a meta-device one serves) the plan is for.
+        target: ``"vllm"`` (the list also holds the fused alias of every kept group; a split plan or an unknown
+            fused layout raises) or ``"transformers"`` (the list as it is; the split groups are reported).
+
+    Returns:
+        ``entries`` (the list to write), ``aliases`` (the fused names added), ``split`` (the vLLM names of the
+        groups the plan splits; None when the layout is unknown and ``target`` is transformers).
+
+    Raises:
+        ExportError: one line: a split plan or an unknown layout for vLLM, or an entry that would select
+            something else than meant under transformers' rule (transformers' names) or vLLM's (vLLM's names).
+    """
+    from gnmr_hf.planning.groups import (
+        ServingLayoutError,
+        describe_split,
+        is_layer_skipped_bnb,
+        serving_groups,
+        split_groups,
+        vllm_skip_entries,
+    )
+
+    if target not in TARGETS:
+        raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
+    try:
+        groups = serving_groups(model)
+    except ServingLayoutError as e:
+        if target == "vllm":
+            raise ExportError(f"{e}: no folder vLLM can load is known for it; pass --target transformers "
+                              "(target='transformers') for a folder transformers loads") from None
+        return {"entries": list(skips), "aliases": [], "split": None}
+    members = {m for g in groups for m in g.members}
+    kept = [s for s in skips if s in members]
+    split = split_groups(kept, groups)
+    if split and target == "vllm":
+        rungs = {n: "bf16" for n in kept}
+        raise ExportError(f"the plan splits {len(split)} serving group(s) that vLLM fuses into one module, so vLLM "
+                          f"cannot load it: {describe_split(split, rungs)}; make a grouped plan (groups='vllm') that "
+                          "keeps whole groups, or pass --target transformers (target='transformers') for a "
+                          "transformers-only folder")
+    aliases = [a for a in vllm_skip_entries(kept, groups) if a not in skips] if target == "vllm" else []
+    entries = list(skips) + aliases
+    # transformers' rule on transformers' names: each leaf name selects itself, each alias nothing
+    names = [n for n, _ in model.named_modules() if n]
+    for entry in entries:
+        hits = [n for n in names if transformers_selects(entry, n)]
+        if hits != ([] if entry in aliases else [entry]):
+            raise ExportError(f"skip entry {entry!r} selects {hits[:3]} under transformers' rule (meant: "
+                              f"{'nothing' if entry in aliases else entry})")
+    # vLLM's rule on vLLM's names: exactly the fully kept groups stay unquantised
+    if target == "vllm":
+        wrong = [g.name for g in groups if is_layer_skipped_bnb(g.name, entries) != all(m in kept for m in g.members)]
+        if wrong:
+            raise ExportError(f"the skip list does not keep exactly the planned groups under vLLM's rule: {wrong[:3]}")
+    return {"entries": entries, "aliases": aliases, "split": [g.name for g in split]}
 
 
 def _dir_bytes(path: Path) -> int:
@@ -99,8 +184,14 @@ def _check_model_folder(model_path: Path) -> dict[str, Any]:
 
 def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLike, out_dir: str | os.PathLike,
                    quant: str = "nf4", adapter: str | os.PathLike | None = None, merge: bool = False,
-                   force: bool = False, double_quant: bool = False, model_name: str | None = None) -> dict[str, Any]:
+                   force: bool = False, double_quant: bool = False, model_name: str | None = None,
+                   target: str = "vllm") -> dict[str, Any]:
     """Write the planned mixed model (or, with ``merge``, the merged BF16 model) to ``out_dir``.
+
+    ``target``: ``"vllm"`` (default) writes a folder both transformers and vLLM load (the skip list holds the
+    fused alias of every kept group; a plan that splits a group vLLM fuses is refused), ``"transformers"`` a
+    folder for transformers only (the plan's leaf names; any grouping; the card says so). See the module
+    docstring. Ignored with ``merge`` (a plain BF16 checkpoint every server loads).
 
     Returns a summary: the folder, its size on disk, the all-low and BF16 sizes for comparison, the kept
     modules. Bad input raises :class:`ExportError` before anything is written. ``out_dir`` follows
@@ -118,6 +209,8 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
 
     if quant not in QUANTS:
         raise ExportError(f"quant {quant!r}: one of {', '.join(QUANTS)}")
+    if target not in TARGETS:
+        raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
     model_path, out_dir = Path(model_path), Path(out_dir)
     _check_model_folder(model_path)
     skips, profile = _read_plan(profile_json)
@@ -148,6 +241,8 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
                               f"({len(linears)} linears, e.g. {sorted(linears)[0]}): a plan made for another model?")
         if sel["transformers"] != [entry] or sel["vllm"] != [entry]:
             raise ExportError(f"skip entry {entry!r} selects {sel} (not exactly itself)")
+    # the list each loader matches against its own module names (vLLM: the fused aliases; a split plan refused)
+    serving = {"entries": skips, "aliases": [], "split": []} if merge else serving_skip_entries(skips, meta, target)
     from gnmr_hf.memory import predict_model_bytes
 
     low = "nf4" if merge else quant
@@ -160,7 +255,9 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
                           f"linears and {meta.config.num_hidden_layers} layers: a profile of another model")
     del meta
 
-    marker = {"model": name, "kind": "merged-bf16" if merge else quant, "skip_modules": skips}
+    entries = serving["entries"]
+    marker = {"model": name, "kind": "merged-bf16" if merge else quant, "skip_modules": skips,
+              "target": None if merge else target, "llm_int8_skip_modules": None if merge else entries}
     with staged_output(out_dir, marker) as tmp:
         if merge:
             import peft
@@ -172,11 +269,11 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
             kind = "merged BF16 (adapter folded into the original weights)"
         else:
             if quant == "int8":
-                q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skips)
+                q = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=entries)
             else:
                 q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
                                        bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=double_quant,
-                                       llm_int8_skip_modules=skips)
+                                       llm_int8_skip_modules=entries)
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, quantization_config=q)
             model.save_pretrained(tmp)
             held = model_bytes(model)
@@ -189,6 +286,8 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
         size = _dir_bytes(tmp)
         bf16_size = sum(p.stat().st_size for p in model_path.glob("*.safetensors"))
         summary = {"folder": str(out_dir), "kind": kind, "quant": None if merge else quant, "kept": skips,
+                   "target": None if merge else target, "skip_entries": None if merge else entries,
+                   "vllm_aliases": serving["aliases"], "split_groups": serving["split"],
                    "bytes_on_disk": size, "bf16_checkpoint_bytes": bf16_size, "all_low_weights_bytes": all_low_bytes, "weights_held_bytes": held["total"],
                    "plan": profile.get("plan"), "price": profile.get("price"), "model": name,
                    "profile_batches": profile.get("batches"), "profile_tokens": profile.get("tokens"),
@@ -244,6 +343,33 @@ def finetune_command(model: str) -> str:
     return f"accelerate launch recipes/finetune.py --config recipes/{folder}/planned-nf4.yaml --model {source}"
 
 
+def serving_lines(summary: dict[str, Any]) -> list[str]:
+    """The card's "Serving" paragraph: which server loads this folder and by which names."""
+    aliases, split = summary.get("vllm_aliases") or [], summary.get("split_groups")
+    if summary.get("target") == "vllm":
+        lines = ["## Serving", "", "Loaded by transformers (`from_pretrained(FOLDER)`, by the names above) and by vLLM "
+                 "(`vllm serve FOLDER`: it reads `quantization_config`; older vLLM versions also want `--quantization "
+                 "bitsandbytes`; vLLM is not run by gnmr_hf's tests). vLLM fuses q/k/v into one "
+                 "`self_attn.qkv_proj` and gate/up into one `mlp.gate_up_proj` and matches the skip list against "
+                 "those names, so the list also holds the fused name of every kept group (transformers matches no "
+                 "module by them):", ""]
+        lines += [f"- `{a}`" for a in aliases] or ["- none needed: no kept group is fused under another name (each kept linear is a vLLM module by its own name)"]
+        return lines + [""]
+    lines = ["## Serving", "", "**For transformers only** (exported with `--target transformers`): "
+             "`from_pretrained(FOLDER)` loads it as planned; vLLM cannot load it."]
+    if split:
+        lines.append(f"The plan keeps part of {len(split)} group(s) that vLLM fuses into one module (one "
+                     f"quantisation each): {', '.join(f'`{g}`' for g in split[:6])}"
+                     f"{f' and {len(split) - 6} more' if len(split) > 6 else ''}. A grouped plan (groups='vllm') "
+                     "exported with `--target vllm` is served by both.")
+    elif split is None:
+        lines.append("vLLM's fused layout is not known for this architecture.")
+    else:
+        lines.append("The skip list has no fused names (`qkv_proj`, `gate_up_proj`), which vLLM matches: export "
+                     "again with `--target vllm` (the default) for a folder both load.")
+    return lines + [""]
+
+
 def model_card(summary: dict[str, Any], model: str | os.PathLike, has_adapter: bool, merge: bool) -> str:
     """The exported folder's README.md: what was kept and why, the price, the quality figures with what they
     are (in-sample on N profile batches; held-out when measured; where the after-training results are),
@@ -265,7 +391,7 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike, has_adapter: b
                   f"{summary['quant'].upper()}. They were chosen by `gnmr-hf profile`: the linears worth the most "
                   f"loss per byte on the profile's {_batches(n_prof)} of the user's data, within the budget.", "",
                   "Kept unquantised (`quantization_config.llm_int8_skip_modules`, full dotted names: each selects "
-                  "exactly its module under transformers' and vLLM's matching rules):", ""]
+                  "exactly its module under transformers' matching rule):", ""]
         lines += [f"- `{m}`" for m in summary["kept"]]
         lines.append("")
     lines += ["| | size |", "|---|---|",
@@ -324,6 +450,8 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike, has_adapter: b
         lines.append(f"- after training (what a fine-tune on this base keeps of it): not measured for this folder; "
                      f"the planned recipes' measured results are in {AFTER_TRAINING_DOCS}.")
         lines.append("")
+    if not merge:
+        lines += serving_lines(summary)
     lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(FOLDER)   # no arguments: the config says it all",
               "tokenizer = AutoTokenizer.from_pretrained(FOLDER)", "```", ""]
@@ -352,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty, or is "
                    "the model, adapter or profile folder, holds one, or is the current folder or a parent of it)")
     p.add_argument("--quant", default="nf4", choices=QUANTS)
+    p.add_argument("--target", default="vllm", choices=TARGETS,
+                   help="vllm (default): a folder vLLM and transformers load (fused aliases in the skip list; a plan "
+                   "that splits a fused q/k/v or gate/up group is refused); transformers: transformers only, any plan")
     p.add_argument("--double-quant", action="store_true", help="4-bit: quantise the scales too")
     p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/)")
     p.add_argument("--merge", action="store_true", help="write the adapter merged into the BF16 weights instead")
@@ -362,12 +493,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         s = export_planned(resolve_model(args.model), args.plan, args.output, quant=args.quant, adapter=args.adapter,
-                           merge=args.merge, force=args.force, double_quant=args.double_quant)
+                           merge=args.merge, force=args.force, double_quant=args.double_quant, target=args.target)
     except (ExportError, FileNotFoundError) as e:
         print(f"gnmr-hf export: error: {e}", file=sys.stderr)
         return 2
     mib = 2**20
     print(f"wrote {s['folder']} ({s['kind']}): {s['bytes_on_disk'] / mib:.1f} MiB on disk; the BF16 checkpoint "
           f"{s['bf16_checkpoint_bytes'] / mib:.1f} MiB, all-{(s['quant'] or 'nf4').upper()} weights "
-          f"{s['all_low_weights_bytes'] / mib:.1f} MiB (predicted); {len(s['kept'])} module(s) kept unquantised")
+          f"{s['all_low_weights_bytes'] / mib:.1f} MiB (predicted); {len(s['kept'])} module(s) kept unquantised"
+          + (f"; for {s['target']}" + (f" ({len(s['vllm_aliases'])} fused alias(es) for vLLM)" if s['target'] == "vllm"
+                                       else ", not vLLM") if s["target"] else ""))
     return 0

@@ -1,6 +1,7 @@
 """gnmr-hf export: the planned mixed model as a folder stock transformers loads with no arguments, its
 logits against the dual-path model with the plan active, --merge, the model card, the serving names under
-both matching rules, and the bad inputs."""
+both matching rules, and the bad inputs. The fixtures' plans are free (they split the q/k/v and gate/up groups
+vLLM fuses), so they are exported with target="transformers"; tests/test_export_vllm.py has the vLLM target."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_round_trip_loads_with_no_arguments_as_the_planned_model(planned, tmp_pa
 
     arch, path, prof_dir, p, prof = planned
     out = tmp_path / "exported"
-    summary = export.export_planned(path, prof_dir, out, quant=quant)
+    summary = export.export_planned(path, prof_dir, out, quant=quant, target="transformers")
     loaded = AutoModelForCausalLM.from_pretrained(out)  # no arguments
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["load_in_4bit" if quant != "int8" else "load_in_8bit"] is True
@@ -115,7 +116,7 @@ def test_adapter_is_copied_beside_the_model(planned, tmp_path):
 
     lora = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     lora.save_pretrained(tmp_path / "ad")
-    export.export_planned(path, prof_dir, tmp_path / "out", adapter=tmp_path / "ad")
+    export.export_planned(path, prof_dir, tmp_path / "out", adapter=tmp_path / "ad", target="transformers")
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     assert "adapter/" in (tmp_path / "out" / "README.md").read_text()
 
@@ -143,7 +144,7 @@ def test_every_exported_entry_selects_only_itself_in_the_real_model(planned, tmp
     arch, path, prof_dir, p, prof = planned
     from transformers import AutoModelForCausalLM
 
-    export.export_planned(path, prof_dir, tmp_path / "o")
+    export.export_planned(path, prof_dir, tmp_path / "o", target="transformers")
     skips = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]["llm_int8_skip_modules"]
     names = [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_modules() if n]
     for entry in skips:
@@ -156,34 +157,34 @@ def test_bad_inputs_are_refused_before_anything_is_written(planned, tmp_path, ti
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(export.ExportError, match="exists and is not empty.*--force"):
-        export.export_planned(path, prof_dir, tmp_path / "full")
+        export.export_planned(path, prof_dir, tmp_path / "full", target="transformers")
     no_st = tmp_path / "nost"
     no_st.mkdir()
     (no_st / "config.json").write_text((path / "config.json").read_text())
     with pytest.raises(export.ExportError, match="no .safetensors"):
-        export.export_planned(no_st, prof_dir, out)
+        export.export_planned(no_st, prof_dir, out, target="transformers")
     quantised = tmp_path / "q"
-    export.export_planned(path, prof_dir, quantised)
+    export.export_planned(path, prof_dir, quantised, target="transformers")
     with pytest.raises(export.ExportError, match="quantised already"):
-        export.export_planned(quantised, prof_dir, out)
+        export.export_planned(quantised, prof_dir, out, target="transformers")
     # a plan of another model: tiny_llama_dir has 4 layers; a plan naming layer 9 does not exist there
     other = json.loads((prof_dir / "profile.json").read_text())
     other["skip_modules"] = ["lm_head", "model.layers.9.self_attn.v_proj"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "profile.json").write_text(json.dumps(other))
     with pytest.raises(export.ExportError, match="not a module of"):
-        export.export_planned(path, tmp_path / "other", out)
+        export.export_planned(path, tmp_path / "other", out, target="transformers")
     if arch == "llama":  # the profile of a 2-layer model against a 4-layer one: names exist, counts differ
         with pytest.raises(export.ExportError, match="profile of another model"):
-            export.export_planned(tiny_llama_dir, prof_dir, out)
+            export.export_planned(tiny_llama_dir, prof_dir, out, target="transformers")
     with pytest.raises(export.ExportError, match="no such profile.json"):
-        export.export_planned(path, tmp_path / "nowhere", out)
+        export.export_planned(path, tmp_path / "nowhere", out, target="transformers")
     assert not out.exists()
     # --force replaces only an earlier export (tests/test_export_faults_r4.py has the whole contract)
     with pytest.raises(export.ExportError, match="not a folder an earlier export wrote"):
-        export.export_planned(path, prof_dir, tmp_path / "full", force=True)
+        export.export_planned(path, prof_dir, tmp_path / "full", force=True, target="transformers")
     assert (tmp_path / "full" / "x").read_text() == "x" and not (tmp_path / "full" / "config.json").exists()
-    export.export_planned(path, prof_dir, quantised, force=True)
+    export.export_planned(path, prof_dir, quantised, force=True, target="transformers")
     assert (quantised / "config.json").is_file()
 
 
@@ -196,7 +197,7 @@ def test_an_interrupted_export_leaves_no_folder(planned, tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", boom)
     with pytest.raises(KeyboardInterrupt):
-        export.export_planned(path, prof_dir, tmp_path / "x")
+        export.export_planned(path, prof_dir, tmp_path / "x", target="transformers")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -207,7 +208,8 @@ def test_cli_one_line_error_and_summary(planned, tmp_path, capsys):
     assert main(["export", "--model", str(path), "--plan", str(tmp_path / "none"), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gnmr-hf export: error:")
-    assert main(["export", "--model", str(path), "--plan", str(prof_dir), "--output", str(tmp_path / "o")]) == 0
+    assert main(["export", "--model", str(path), "--plan", str(prof_dir), "--output", str(tmp_path / "o"),
+                 "--target", "transformers"]) == 0
     assert "MiB on disk" in capsys.readouterr().out
 
 

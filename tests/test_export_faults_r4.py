@@ -10,6 +10,8 @@ every file's bytes and mtime (and, on refusals, every folder's) in the whole wor
 Item 13 / 3: the card names the model (no absolute path), labels the gap closed in-sample on the profile's
 batch count, gives the held-out figure when measured, points at the measured after-training results, and its
 fine-tune command names the BF16 source with a recipe that parses, not the exported folder.
+
+The plans here are free (they split groups vLLM fuses), so every export is written with --target transformers.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _cli(ws, output, *extra, plan=None):
     from gnmr_hf.cli import main
 
     return main(["export", "--model", str(ws["model"]), "--plan", str(plan or ws["prof"]), "--output", str(output),
-                 *extra])
+                 "--target", "transformers", *extra])
 
 
 # -------------------------------------------------------------------------------- item 1: refusals
@@ -131,7 +133,7 @@ def test_a_protected_output_is_refused_in_one_line_and_nothing_is_touched(ws, ca
     # the same through the library call
     with pytest.raises(export.ExportError, match=why):
         export.export_planned(ws["model"], ws["prof"], output, force=force,
-                              adapter=ws["adapter"] if "adapter" in case else None)
+                              adapter=ws["adapter"] if "adapter" in case else None, target="transformers")
     assert snapshot(w) == before
 
 
@@ -171,7 +173,7 @@ def test_an_output_under_a_file_or_a_file_is_refused_in_one_line(ws, capsys):
 
 def test_force_replaces_an_earlier_export_by_rename_and_touches_nothing_else(ws, monkeypatch):
     w, out = ws["w"], ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out)  # NF4
+    export.export_planned(ws["model"], ws["prof"], out, target="transformers")  # NF4
     marker = json.loads((out / MARKER).read_text())
     assert marker["kind"] == "nf4" and sorted(marker["files"]) == sorted(
         str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != MARKER)
@@ -190,7 +192,7 @@ def test_force_replaces_an_earlier_export_by_rename_and_touches_nothing_else(ws,
         return real_rmtree(path, *a, **k)
 
     monkeypatch.setattr(ef.shutil, "rmtree", rmtree)
-    summary = export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True)
+    summary = export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True, target="transformers")
     assert removed and all(n.startswith(".exp-old-") for n in removed)  # only the old export, renamed aside
     assert Path(summary["folder"]) == out.resolve()
     assert json.loads((out / "config.json").read_text())["quantization_config"]["load_in_8bit"] is True
@@ -206,7 +208,7 @@ def _tree(folder: Path) -> dict[str, str]:
 
 def test_an_export_interrupted_while_writing_leaves_the_old_one_intact(ws, monkeypatch):
     w, out = ws["w"], ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out)
+    export.export_planned(ws["model"], ws["prof"], out, target="transformers")
     old = _tree(out)
     before = snapshot(w)
     import transformers
@@ -217,13 +219,13 @@ def test_an_export_interrupted_while_writing_leaves_the_old_one_intact(ws, monke
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", half_written)
     with pytest.raises(OSError, match="No space"):
-        export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True)
+        export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True, target="transformers")
     assert _tree(out) == old and snapshot(w) == before  # the old export as it was, no half-written folder
 
 
 def test_an_export_interrupted_while_renaming_in_leaves_the_old_one_intact(ws, monkeypatch):
     w, out = ws["w"], ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out)
+    export.export_planned(ws["model"], ws["prof"], out, target="transformers")
     old = _tree(out)
     before = snapshot(w, dirs=False)
     names = {str(p.relative_to(w)) for p in w.rglob("*")}
@@ -240,7 +242,7 @@ def test_an_export_interrupted_while_renaming_in_leaves_the_old_one_intact(ws, m
     monkeypatch.setattr(os, "rename", failing("rename"))
     monkeypatch.setattr(os, "replace", failing("replace"))
     with pytest.raises(KeyboardInterrupt):
-        export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True)
+        export.export_planned(ws["model"], ws["prof"], out, quant="int8", force=True, target="transformers")
     assert _tree(out) == old
     assert snapshot(w, dirs=False) == before and {str(p.relative_to(w)) for p in w.rglob("*")} == names
 
@@ -250,7 +252,7 @@ def test_an_export_interrupted_while_renaming_in_leaves_the_old_one_intact(ws, m
 
 def test_card_names_the_model_labels_in_sample_and_gives_held_out(ws, made):
     out = ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out)
+    export.export_planned(ws["model"], ws["prof"], out, target="transformers")
     card = (out / "README.md").read_text()
     # no absolute path: not the model folder's, not the workspace's, no token starting with "/"
     assert str(ws["model"]) not in card and str(ws["w"]) not in card and str(Path.home()) not in card
@@ -268,7 +270,7 @@ def test_card_names_the_model_labels_in_sample_and_gives_held_out(ws, made):
     assert len(quoted) == 4 and all(any(h.startswith(q) for h in headings) for q in quoted), (quoted, headings)
 
     # without a held-out measurement the card says so (and never calls the in-sample figure more than it is)
-    export.export_planned(ws["model"], ws["prof_noh"], ws["w"] / "exp2")
+    export.export_planned(ws["model"], ws["prof_noh"], ws["w"] / "exp2", target="transformers")
     card2 = (ws["w"] / "exp2" / "README.md").read_text()
     assert "held-out: not measured" in card2 and "in-sample: " in card2 and "on the 2 batches" in card2
     assert "held-out: 0" not in card2 and "held-out: 1" not in card2
@@ -278,7 +280,7 @@ def test_card_fine_tune_command_names_the_bf16_source_and_parses(ws, monkeypatch
     from gnmr_hf.recipe import load_config
 
     out = ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out)
+    export.export_planned(ws["model"], ws["prof"], out, target="transformers")
     card = (out / "README.md").read_text()
     line = re.search(r"accelerate launch recipes/finetune\.py (.*)", card).group(1)
     assert "FOLDER" not in line.replace("BF16_MODEL_FOLDER", "") and str(out) not in card
