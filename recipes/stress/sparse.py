@@ -293,10 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument("--summarise", nargs="+", metavar="RUN_DIR", help="summarise finished runs instead of training")
     p.add_argument("--out", help="with --summarise: write the summary here")
+    p.add_argument("--window", type=int, default=10, help="with --summarise: steps before and after each update")
     p.add_argument("overrides", nargs="*", help="section.key=value (YAML values)")
     a = p.parse_args(argv)
     if a.summarise:
-        summary = summarise(a.summarise)
+        summary = summarise(a.summarise, a.window)
         text = json.dumps(summary, indent=1)
         if a.out:
             Path(a.out).write_text(text + "\n")
