@@ -267,7 +267,8 @@ def summarise(run_dirs: list[str], h: int = 10) -> dict:
     """A small summary of several runs of one seed and setting (one of them ``dense``)."""
     runs = {}
     for d in map(Path, run_dirs):
-        res = json.loads((d / "result.json").read_text())
+        # a run still going (no result.json yet): its folder name is the method, its losses so far count
+        res = json.loads((d / "result.json").read_text()) if (d / "result.json").is_file() else {"method": d.name}
         runs[res["method"]] = (d, res)
     dense = read_losses(runs["dense"][0]) if "dense" in runs else None
     updates = None
@@ -276,9 +277,11 @@ def summarise(run_dirs: list[str], h: int = 10) -> dict:
         upd_file = d / "dst_updates.jsonl"
         if upd_file.is_file():
             updates = [json.loads(line)["step"] for line in open(upd_file)]
-        out[method] = {k: res[k] for k in ("final_eval_loss", "final_ppl", "density", "optimizer_state_bytes",
-                                             "recovered_unit_steps", "step_time_s")}
-        out[method]["mean_active"] = res["policy_summary"].get("mean_active")
+        out[method] = {k: res.get(k) for k in ("final_eval_loss", "final_ppl", "density", "optimizer_state_bytes",
+                                                 "recovered_unit_steps", "step_time_s")}
+        out[method]["mean_active"] = res.get("policy_summary", {}).get("mean_active")
+        out[method]["finished"] = "final_eval_loss" in res
+        out[method]["steps_logged"] = len(read_losses(d))
     for method, (d, _) in runs.items():
         if method != "dense" and updates:
             out[method]["spikes"] = spike_table(read_losses(d), dense, updates, h)
