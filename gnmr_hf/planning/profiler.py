@@ -135,16 +135,20 @@ def model_identity(model_path: str | os.PathLike) -> dict[str, Any]:
     from gnmr_hf.backends.checkpoint import CheckpointIndex
 
     index = CheckpointIndex(model_path)
+    heads = {}
+    for path in index.files:
+        with safe_open(path, framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                shape = list(sl.get_shape())
+                if not shape:
+                    head = fh.get_tensor(key)
+                else:  # the first row (the first values of a vector)
+                    head = sl[0:1] if len(shape) > 1 else sl[0:_FINGERPRINT_VALUES]
+                heads[key] = (shape, head.reshape(-1)[:_FINGERPRINT_VALUES])
     digest = hashlib.sha256()
-    for key in sorted(index.file_of):
-        with safe_open(index.file_of[key], framework="pt", device="cpu") as fh:
-            sl = fh.get_slice(key)
-            shape = list(sl.get_shape())
-            if not shape:
-                head = fh.get_tensor(key)
-            else:  # the first row (the first values of a vector)
-                head = sl[0:1] if len(shape) > 1 else sl[0:_FINGERPRINT_VALUES]
-            head = head.reshape(-1)[:_FINGERPRINT_VALUES]
+    for key in sorted(heads):
+        shape, head = heads[key]
         if head.is_floating_point():
             head = head.to(torch.bfloat16).view(torch.int16)
         digest.update(json.dumps([key, shape]).encode())
@@ -154,7 +158,7 @@ def model_identity(model_path: str | os.PathLike) -> dict[str, Any]:
     if config_file.is_file():
         text = json.dumps(_stable_config(json.loads(config_file.read_text())), sort_keys=True)
         config = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return {"config": config, "weights": digest.hexdigest()[:16], "tensors": len(index.file_of)}
+    return {"config": config, "weights": digest.hexdigest()[:16], "tensors": len(heads)}
 
 
 def identity_mismatch(recorded: Any, model_path: str | os.PathLike) -> str | None:
