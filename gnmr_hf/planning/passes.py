@@ -143,8 +143,99 @@ def _batch_digest(batch: dict[str, Any]) -> str:
     return h.hexdigest()[:16]
 
 
+#: the chunked loss computes at most this many logits at once (16 Mi: 64 MiB in FP32), and at most
+#: :data:`LOSS_CHUNK_ROWS` positions: on Gemma 3's 262k-word vocabulary, 64 positions a chunk
+LOSS_CHUNK_ELEMENTS = 2**24
+LOSS_CHUNK_ROWS = 512
+
+
 def _loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    return model(**batch).loss
+    """The batch's causal-LM loss (the mean over its target tokens), as ``model(**batch).loss`` computes it.
+
+    Why not that call: it holds the full-vocabulary logits of every position of the batch at once, and in a
+    backward also their log-softmax and gradient (Gemma 3's 262k words at 2 x 512 tokens: 1 GiB each in
+    FP32), more than a training step of the same model needs besides. So for a transformers ``*ForCausalLM``
+    with the stock loss (``ForCausalLMLoss``), the decoder runs alone and the head's logits are formed only at
+    the positions with a target, :func:`chunked_causal_lm_loss` at a time. Any other model: its own loss."""
+    parts = _head_parts(model)
+    if parts is None:
+        return model(**batch).loss
+    decoder, head, softcap = parts
+    labels = batch["labels"]
+    hidden = decoder(**{k: v for k, v in batch.items() if k != "labels"})[0]
+    return chunked_causal_lm_loss(hidden, labels, head, softcap)
+
+
+def chunked_causal_lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                           softcap: float | None = None, rows: int | None = None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` of ``head(hidden)`` without forming all the logits at once.
+
+    ``hidden`` [batch, seq, hidden] are the decoder's final hidden states, ``labels`` [batch, seq] the
+    unshifted labels (-100: no target). Position t predicts ``labels[t + 1]``; only positions with a target
+    reach the head, ``rows`` of them at a time (default: :data:`LOSS_CHUNK_ROWS`, fewer where the vocabulary
+    would make a chunk's logits exceed :data:`LOSS_CHUNK_ELEMENTS`). Each chunk's logits, softcapped as
+    Gemma's ``final_logit_softcapping`` does, are up-cast to FP32 for the cross-entropy, as the stock loss
+    does. When a gradient is wanted, each chunk is checkpointed (``torch.utils.checkpoint``): the backward
+    recomputes its logits, so at most one chunk's logits (and their gradient) exist at a time. Returns the
+    sum of the chunks' token losses over the target count (0-d FP32), equal to the stock loss within
+    rounding."""
+    targets = labels[..., 1:]
+    keep = targets != -100
+    h = hidden[..., :-1, :][keep]  # [n, hidden]: the positions with a target, in order
+    y = targets[keep]
+    n = y.numel()
+    if n == 0:
+        raise ValueError("the batch has no target token (every label is -100)")
+    vocab = int(getattr(head, "out_features", 0) or head.weight.shape[0])
+    if rows is None:
+        rows = max(1, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // max(vocab, 1)))
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, rows):
+        hc, yc = h[start:start + rows], y[start:start + rows]
+        if grad:
+            from torch.utils.checkpoint import checkpoint
+
+            part = checkpoint(_chunk_nll, head, softcap, hc, yc, use_reentrant=False)
+        else:
+            part = _chunk_nll(head, softcap, hc, yc)
+        total = total + part
+    return total / n
+
+
+def _chunk_nll(head: nn.Module, softcap: float | None, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = head(h)  # [rows, vocab]
+    if softcap is not None:  # as Gemma's forward applies final_logit_softcapping, in the logits' dtype
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.nn.functional.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum")
+
+
+def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] | None:
+    """``(decoder, lm_head, final_logit_softcapping)`` when ``model``'s loss is transformers' stock causal-LM
+    loss over ``lm_head(decoder(...)[0])``, else None (the model's own forward then computes the loss)."""
+    base = unwrap_model(model)
+    if not type(base).__name__.endswith("ForCausalLM"):
+        return None
+    if any(getattr(c, "is_prompt_learning", False) for c in (getattr(model, "peft_config", None) or {}).values()):
+        return None  # PEFT's prompt learning rewrites the inputs in PeftModel.forward
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if base.loss_function is not ForCausalLMLoss:
+            return None
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if decoder is None or decoder is base or not isinstance(head, nn.Module) or getattr(head, "weight", None) is None:
+        return None
+    from gnmr_hf.backends.base import DualPathModule
+
+    # a criterion's hook on a dual-path head expects one call on every position; a checkpointed chunk calls twice
+    if any(isinstance(m, DualPathModule) or m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
+        return None
+    if base._forward_hooks or base._forward_pre_hooks:
+        return None  # the model's own forward would run them
+    return decoder, head, getattr(getattr(base, "config", None), "final_logit_softcapping", None)
 
 
 def _set_path(units: list[_Unit], high: Iterable[int]) -> None:
