@@ -214,7 +214,10 @@ LAYERS = {
     "hardware": set(),
     "memory": set(),  # byte accounting from shapes: imports nothing of the package
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
-    "export": {"export", "planning", "memory", "offline"},  # reads profile.json, prices, resolves aliases
+    "export": {"export", "export_folder", "planning", "memory", "offline"},  # reads profile.json, prices, resolves aliases
+    "export_folder": set(),  # the output-folder contract: paths only, shared by both exports
+    # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
+    "export_ct": {"export", "export_folder", "planning", "backends"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
     # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory
@@ -223,6 +226,8 @@ LAYERS = {
     # currencies from the planner's criteria/budget modules, which import nothing of it back
     "recipe": {"recipe", "core", "planning", "memory", "offline", "hardware"},
     "profile": {"planning", "reporting"},  # the former module: re-exports gnmr_hf.planning
+    # dynamic sparse training (SMET): a backend of the dual-path interface over its own sparse linears
+    "sparse": {"sparse", "backends", "units"},
 }
 
 
