@@ -224,6 +224,11 @@ class ProfileArguments:
             on the command line): each linear on NF4, INT8 or BF16, chosen by the first-order gain of each
             rung per byte (``gnmr_hf.planning.ladder``) under ``budget`` written as memory over the NF4
             model (``+10%nf4``); ``("int8",)`` the same with the INT8 rung only. Policy static only.
+        groups (`str | None`): ``None`` (the default: a free plan, linear by linear) or ``"vllm"``: buy whole
+            serving groups, q/k/v of a layer together and gate/up together, as vLLM fuses them (the layout
+            read from the model's architecture, ``gnmr_hf.planning.groups``; an unknown one refused in one
+            line), for the BF16-only plan and the ladder (one rung per group), so the plan can be served by
+            vLLM (docs/profile.md, "Grouped plans").
         given (`dict[str, str]`): the keys set in a file or on the command line, and where.
     """
 
@@ -234,6 +239,7 @@ class ProfileArguments:
     policy: str = "static"
     gnmr_share: float = 0.25
     rungs: tuple[str, ...] = ("bf16",)
+    groups: str | None = None
     given: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -246,7 +252,7 @@ class ProfileArguments:
         """Parse and check the block (one-line ``RecipeError`` naming the key)."""
         from gnmr_hf.planning import CRITERIA, parse_budget
 
-        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs"]
+        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups"]
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise _unknown([f"profile.{k}" for k in unknown], [f"profile.{k}" for k in known], "in the profile block")
@@ -284,6 +290,13 @@ class ProfileArguments:
             out.gnmr_share = float(share)
         if "rungs" in block:
             out.rungs = _parse_rungs(block["rungs"])
+        if block.get("groups") is not None:
+            from gnmr_hf.planning.planner import GROUPINGS
+
+            if block["groups"] not in GROUPINGS:
+                raise RecipeError(f"profile.groups must be {' or '.join(GROUPINGS)} (whole serving groups: q/k/v of a "
+                                  f"layer together, gate/up together) or null (a free plan), got {block['groups']!r}")
+            out.groups = block["groups"]
         if out.ladder and out.enabled:  # policy gnmr takes no profile: the paper's controller, one line away
             rungs = ", ".join(out.rungs)
             if memory is None:

@@ -229,6 +229,19 @@ def _unit_prices(units, rungs: tuple[str, ...], double_quant: bool) -> list[dict
                     for m in u.dual) for r in rungs} for u in units]
 
 
+def _serving_layout(recipe: Recipe, model, units):
+    """``profile.groups``' serving groups over the units' linears (None for a free plan), read from the model's
+    architecture; an unknown layout is refused in one line before anything is profiled."""
+    if recipe.profile.groups is None:
+        return None
+    from gnmr_hf.planning.planner import serving_layout
+
+    try:
+        return serving_layout(recipe.profile.groups, model=model, linears=[m for u in units for m in u.modules])
+    except ValueError as e:
+        raise RecipeError(f"profile.groups {recipe.profile.groups}: {e}") from None
+
+
 def _served_budget(recipe: Recipe, model_path: str, units, prices: list[dict[str, int]]) -> dict[str, Any]:
     """``profile.budget`` in the one currency (``gnmr_hf.planning.budget.served_budget``), refused in one line
     before anything is profiled when it buys no unit or exceeds what there is to keep."""
@@ -296,6 +309,7 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
     prices = [p["bf16"] for p in _unit_prices(units, ("bf16",), recipe.script.bnb_4bit_use_double_quant)]
     currency = _served_budget(recipe, model_path, units, [{"bf16": p} for p in prices])
     budget = currency["budget_bytes"]
+    layout = _serving_layout(recipe, model, units)  # profile.groups: whole serving groups (None: free)
     planned_budget = budget if prof_args.policy == "static" else int(budget * (1 - prof_args.gnmr_share))
     if planned_budget < budget:
         why = budget_refusal(f"{prof_args.budget} x (1 - profile.gnmr_share {prof_args.gnmr_share:g})", planned_budget,
@@ -312,9 +326,17 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
         raise RecipeError(f"the profile's {len(profile.units)} units are not the model's {len(units)} linears")
     # the planner chooses in its own unit (BF16 bytes): the largest BF16 budget whose set fits the served one
     sizes = [u.bytes for u in profile.units]
-    bf16_budget = planner_budget(profile.scores(profile._score_name(criterion)), sizes, prices, planned_budget)
+    scores = profile.scores(profile._score_name(criterion))
+    if layout is None:
+        bf16_budget = planner_budget(scores, sizes, prices, planned_budget)
+    else:  # the grouped planner's purchases: a group's score, bytes and price are its members' sums
+        from gnmr_hf.planning.groups import purchase_totals, purchases
+
+        buys = purchases([u.modules for u in profile.units], layout)
+        bf16_budget = planner_budget(*(purchase_totals(buys, v) for v in (scores, sizes, prices)), planned_budget)
     try:
-        plan = gnmr_hf.plan(profile, budget_bytes=bf16_budget, criterion=criterion, model=model, batches=batches)
+        plan = gnmr_hf.plan(profile, budget_bytes=bf16_budget, criterion=criterion, model=model, batches=batches,
+                            groups=prof_args.groups)
     except ValueError as e:
         raise RecipeError(f"profile.budget {prof_args.budget}: {e}") from None
     chosen = plan.indices
@@ -385,6 +407,7 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
     # the budget in the one currency, and a budget that buys no rung refused, before the profile's own load
     pre = _units(model, "linears")
     currency = _served_budget(recipe, model_path, pre, _unit_prices(pre, prof_args.rungs, script.bnb_4bit_use_double_quant))
+    layout = _serving_layout(recipe, model, pre)  # profile.groups: one rung per serving group (None: free)
     device = next(p.device for p in model.parameters())
     stock = _stock_low(model_path, "nf4", dtype, double_quant=script.bnb_4bit_use_double_quant,
                        device_map={"": device.index or 0} if device.type == "cuda" else None)
@@ -403,7 +426,7 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
     if over_low["over_low_bytes"] != currency["budget_bytes"]:
         raise RecipeError(f"profile.budget {prof_args.budget}: {over_low['over_low_bytes']} B over NF4 from the "
                           f"checkpoint's config, {currency['budget_bytes']} B from the loaded model")
-    chosen = choose_rungs(ladder_units, over_low["over_low_bytes"], prof_args.rungs)
+    chosen = choose_rungs(ladder_units, over_low["over_low_bytes"], prof_args.rungs, groups=layout)
     if not chosen:  # as the BF16 planner refuses a budget that buys nothing: no plain NF4 run called planned
         raise RecipeError(f"profile.budget {prof_args.budget} = {over_low['over_low_bytes']} B over the NF4 model buys "
                           f"nothing on the ladder [{', '.join(prof_args.rungs)}]: no linear that fits has a positive "
@@ -428,7 +451,7 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
               "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
               "gain": gain, "over_low_bytes": price, "memory_budget": over_low,
               **_currency_record(currency, price, policy.set_bytes), "policy": "static", "criterion": "first_order",
-              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16,
+              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16, "groups": prof_args.groups,
               "profile_seconds": round(time.time() - t0, 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)

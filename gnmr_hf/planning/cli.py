@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: recipes/smollm2-135m/<low>.yaml)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
+    p.add_argument("--groups", default=None, choices=("vllm",),
+                   help="plan whole serving groups: q/k/v of a layer as one purchase, gate/up as one (o_proj and "
+                        "down_proj single), as vLLM fuses them (the layout read from the model's architecture; an "
+                        "unknown one is refused), so that vLLM can serve the plan; default: free (linear by "
+                        "linear). Either way the free and the grouped plans are printed side by side")
     p.add_argument("--no-ladder", action="store_true",
                    help="4-bit low paths: skip the precision ladder's table (INT8 and BF16 rungs under budgets of "
                         "memory over the 4-bit model; gnmr_hf.planning.ladder, one model load per row)")
@@ -329,6 +334,22 @@ def _run(args: argparse.Namespace) -> int:
     why = budget_error(sizes, want, unit_names)
     if why:
         raise ProfileError(f"--budget {args.budget}: {why}")
+    # the serving groups (what vLLM fuses), for --groups and for the free-against-grouped table
+    from gnmr_hf.planning.groups import purchase_totals
+    from gnmr_hf.planning.planner import serving_layout, unit_purchases
+
+    try:
+        layout, no_layout = serving_layout("vllm", model=model, linears=linears), None
+    except ValueError as e:
+        if args.groups:
+            raise ProfileError(f"--groups {args.groups}: {e}") from None
+        layout, no_layout = None, str(e)
+    buys, buy_names = unit_purchases([u.modules for u in info], layout) if layout else (None, None)
+    if args.groups:
+        sizes, unit_names = purchase_totals(buys, sizes), buy_names  # a grouped plan buys whole groups
+        why = budget_error(sizes, want, unit_names)
+        if why:
+            raise ProfileError(f"--budget {args.budget} with --groups {args.groups}: {why}")
     if "lora_grad" in criteria:
         import peft
 
@@ -347,6 +368,7 @@ def _run(args: argparse.Namespace) -> int:
     if heldout:
         ref = measure_plan(model, [], heldout)
         kw.update(heldout=heldout, heldout_reference=(ref["loss_low"], ref["loss_high"]))
+    kw["groups"] = args.groups
     main_plan = plan(prof, budget_bytes, budget_fraction=budget_fraction, criterion=name, **kw)
     # price points that buy no unit on this model (a tiny one) are left out
     price = [plan(prof, budget_fraction=f, criterion=name, **kw) for f in PRICE_POINTS
@@ -362,6 +384,23 @@ def _run(args: argparse.Namespace) -> int:
     print(f"price table (gap closed = (L_low - L_plan) / (L_low - L_high); L_low {prof.losses['low']:.4f}, "
           f"L_high {prof.losses['high']:.4f} on the profile batches):")
     print(format_price_table(price, over_low))
+    grouping = None
+    if layout is not None:  # the constraint's price: the free and the grouped plan at each budget
+        from gnmr_hf.planning.planner import format_grouping_table, paired_plans
+
+        kw.pop("groups")
+        free, grouped = paired_plans(prof, price, "vllm", **kw)
+        print(f"\nfree and grouped plans (grouped: whole serving groups as vLLM fuses them, q/k/v and gate/up of a "
+              f"layer together; gap closed in-sample on the {len(batches)} profile batch(es)"
+              f"{f' and on the {len(heldout)} held-out batch(es)' if heldout else ''}; grouped - free is what the "
+              f"constraint costs; the plan written is the {'grouped' if args.groups else 'free'} one):")
+        print(format_grouping_table(free, grouped, layout, over_low))
+        grouping = {"groups": "vllm", "plans": [
+            {"kind": "grouped" if p.groups else "free", "budget_bytes": p.budget_bytes, "bytes": p.bytes,
+             "linears": len(p.modules), "predicted_gap_closed": p.predicted_gap_closed, "measured": p.measured}
+            for pair in zip(free, grouped) for p in pair]}
+    else:
+        print(f"\n[profile] no grouped plans: {no_layout}")
     ladder_rows = None
     if args.low != "int8" and not args.no_ladder:
         from gnmr_hf.planning.ladder import format_ladder_table, ladder_table
@@ -373,6 +412,9 @@ def _run(args: argparse.Namespace) -> int:
               f"L_high {ladder_rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact "
               "bytes with BF16 rungs in BF16):")
         print(format_ladder_table(ladder_rows))
+        if args.groups:
+            print("(the ladder's rows are free plans; a grouped ladder: choose_rungs(..., groups=serving_groups(model)) "
+                  "or a recipe's profile.rungs with profile.groups: vllm; bench/group_price.py measures both)")
     print()
     print(main_plan.summary())
     skips = main_plan.skip_modules()
@@ -382,6 +424,7 @@ def _run(args: argparse.Namespace) -> int:
     path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
                         plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
                         **({} if ladder_rows is None else {"ladder": ladder_rows}),
+                        **({} if grouping is None else {"grouping": grouping}),
                         command="gnmr-hf profile " + shlex.join(args.argv))
     written = [str(path)]
     if not args.no_plot:

@@ -160,13 +160,28 @@ def _hull(options: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]
 
 
 def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = RUNGS,
-                 fill: bool = False) -> dict[str, str]:
+                 fill: bool = False, groups=None) -> dict[str, str]:
     """``{linear: rung}`` for the linears not left low, greedy by gain per byte with upgrades (each
     linear's convex hull of rungs; an upgrade is taken only after the step below it).
 
     ``fill``: spend what the knapsack leaves of ``budget`` on INT8 -> BF16 upgrades of its INT8 picks
     (those with a positive BF16 gain, largest BF16 gain per upgrade byte first), see :func:`fill_upgrades`.
+
+    ``groups``: None (the default: each linear on its own rung) or the serving groups of the model
+    (:func:`gnmr_hf.planning.groups.serving_groups`, e.g. ``serving_groups(model)`` or
+    ``gnmr_hf.planning.planner.serving_layout("vllm", model)``): one rung per group, every member on it, so
+    the plan never splits a group vLLM fuses into one module; a group's price and gain on a rung are the
+    sums of its members' (:func:`gnmr_hf.planning.groups.grouped_ladder_units`), and the result is still
+    ``{linear: rung}``. ``units`` must be exactly the groups' linears.
     """
+    if groups is not None:
+        from gnmr_hf.planning.groups import ServingGroup, expand_rungs, grouped_ladder_units
+
+        if isinstance(groups, str) or not all(isinstance(g, ServingGroup) for g in groups):
+            given = repr(groups) if isinstance(groups, str) else f"a {type(groups).__name__} of other things"
+            raise ValueError(f"choose_rungs(groups=...) takes the model's serving groups (gnmr_hf.planning.groups."
+                             f"serving_groups(model)), not {given}")
+        return expand_rungs(choose_rungs(grouped_ladder_units(units, groups), budget, rungs, fill), groups)
     steps = []
     for i, u in enumerate(units):
         hull = _hull([(u.prices[r], u.gains[r], r) for r in rungs])

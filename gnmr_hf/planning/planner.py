@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from gnmr_hf.planning.criteria import GAIN_SCORES
+from gnmr_hf.planning.groups import ServingGroup, architecture_of, purchase_totals, purchases, serving_groups
 from gnmr_hf.planning.passes import _batch_digest, _loss, _prepare_batches, _set_path, _Unit, _units
 from gnmr_hf.planning.results import SensitivityProfile, _fmt, _is_int, _json_safe
 from gnmr_hf.planning.skiplist import skip_modules
@@ -24,6 +28,11 @@ from gnmr_hf.units import UnitSpec
 #: the currencies a plan prices its units in: ``"bf16"`` (2 bytes a weight, what keeping a linear unquantised
 #: costs when served) or ``"held"`` (what the model's recovery path stores: 4 bytes a weight under FP32 storage)
 PRICES = ("bf16", "held")
+
+#: what a plan may be asked to buy as one purchase besides single units: ``"vllm"``, whole serving groups
+#: (:mod:`gnmr_hf.planning.groups`: q/k/v of a layer together, gate/up together, o_proj and down_proj alone, as
+#: vLLM fuses them, read from the architecture); ``groups=None`` (the default) plans free, unit by unit
+GROUPINGS = ("vllm",)
 
 
 @dataclass
@@ -48,6 +57,8 @@ class PrecisionPlan:
         measured: per data set (``profile``, ``heldout``): ``loss_low``, ``loss_high``, ``loss_plan`` and
             ``gap_closed`` = (L_low - L_plan) / (L_low - L_high), measured with the set on BF16.
         keep_modules: the profile's default-kept modules (see :func:`skip_modules`).
+        groups: ``None`` (a free plan: any set of units) or ``"vllm"`` (whole serving groups bought together,
+            :func:`plan`'s ``groups``); recorded in :meth:`to_dict` so a plan file says how it was made.
     """
 
     criterion: str
@@ -64,6 +75,7 @@ class PrecisionPlan:
     keep_modules: list[str] = field(default_factory=list)
     priced_in: str = "bf16"
     held_bytes: int | None = None
+    groups: str | None = None
 
     @property
     def fraction(self) -> float:
@@ -84,6 +96,9 @@ class PrecisionPlan:
         lines = [f"plan by {self.criterion}: {len(self.indices)} unit(s), {self.bytes / 2**20:.1f} MiB {cur} = "
                  f"{100 * self.fraction:.1f} % of the quantised weights' {cur} bytes (budget "
                  f"{self.budget_bytes / 2**20:.1f} MiB, {100 * self.budget_fraction:.1f} %)"]
+        if self.groups is not None:
+            lines.append(f"  grouped ({self.groups}): whole serving groups only (q/k/v of a layer together, gate/up "
+                         "together; gnmr_hf.planning.groups)")
         if self.held_bytes is not None and self.held_bytes != self.bytes:
             lines.append(f"  held on the model's recovery path: {self.held_bytes / 2**20:.1f} MiB "
                          f"({self.held_bytes / self.bytes:g} bytes per {cur} byte)")
@@ -104,7 +119,7 @@ class PrecisionPlan:
             "indices": list(self.indices), "names": list(self.names), "modules": list(self.modules),
             "predicted_gain": self.predicted_gain, "predicted_gap_closed": self.predicted_gap_closed,
             "gain_score": self.gain_score, "measured": self.measured, "skip_modules": self.skip_modules(),
-            "priced_in": self.priced_in, "held_bytes": self.held_bytes,
+            "priced_in": self.priced_in, "held_bytes": self.held_bytes, "groups": self.groups,
         })
 
 
@@ -218,6 +233,88 @@ def fill_in_order(order: Iterable[int], sizes: Sequence[int], budget: int) -> li
     return sorted(chosen)
 
 
+def check_groups(groups: Any) -> str | None:
+    """``groups`` as :func:`plan` takes it: None (free) or one of :data:`GROUPINGS`; else a one-line ValueError."""
+    if groups is None or groups in GROUPINGS:
+        return groups
+    raise ValueError(f"groups={groups!r}: None (a free plan, unit by unit) or 'vllm' (whole serving groups: q/k/v "
+                     "of a layer together, gate/up together, as vLLM fuses them)")
+
+
+def serving_layout(groups: str, model: nn.Module | None = None, profile: SensitivityProfile | None = None,
+                   linears: Sequence[str] | None = None) -> list[ServingGroup]:
+    """The serving groups ``groups`` (``"vllm"``) names for a model, read from its architecture
+    (:func:`gnmr_hf.planning.groups.serving_groups`): ``model``'s class, else the architecture ``profile``
+    recorded (``meta["model"]``, written by :func:`profile_sensitivity`), over ``linears`` (default: the
+    profile's units' linears, else the model's decoder linears).
+
+    Raises:
+        ValueError: an unknown ``groups``, no architecture to read (neither a model nor a profile that
+            recorded one), or (:class:`~gnmr_hf.planning.groups.ServingLayoutError`) an architecture whose
+            serving layout is not known or linears that do not fit it: one line.
+    """
+    check_groups(groups)
+    if linears is None and profile is not None:
+        linears = [m for u in profile.units for m in u.modules]
+    if model is not None:
+        return serving_groups(architecture_of(model), linears) if linears is not None else serving_groups(model)
+    arch = (profile.meta or {}).get("model") if profile is not None else None
+    if not isinstance(arch, str) or not arch:
+        raise ValueError(f"groups={groups!r} reads the serving layout from the model's architecture: give the model "
+                         "(model=...), or a profile taken by profile_sensitivity (it records the architecture)")
+    return serving_groups(arch, linears)
+
+
+def unit_purchases(profile: SensitivityProfile | Sequence[Sequence[str]],
+                   layout: Sequence[ServingGroup]) -> tuple[list[list[int]], list[str]]:
+    """The purchases of a grouped plan: unit indices bought together (units sharing a serving group, see
+    :func:`gnmr_hf.planning.groups.purchases`) and a name for each (its serving groups' vLLM names, joined
+    by ``+``)."""
+    modules = [u.modules for u in profile.units] if isinstance(profile, SensitivityProfile) else \
+        [list(m) for m in profile]
+    buys = purchases(modules, layout)
+    group_of = {m: g.name for g in layout for m in g.members}
+    names = []
+    for b in buys:
+        seen = list(dict.fromkeys(group_of.get(m, m) for i in b for m in modules[i]))
+        names.append(f"serving group {seen[0]}" if len(seen) == 1 else "serving groups " + "+".join(seen))
+    return buys, names
+
+
+def plan_groups(data: Any) -> str | None:
+    """How a plan file (a ``profile.json`` as a dict: ``gnmr-hf profile``'s, a planned recipe's, a ladder
+    recipe's) was planned: its recorded ``groups`` (``"vllm"``), or None for a free plan (also a file written
+    before plans recorded it)."""
+    if not isinstance(data, dict):
+        return None
+    for where in (data.get("plan"), data):
+        if isinstance(where, dict) and where.get("groups") is not None:
+            return str(where["groups"])
+    return None
+
+
+def require_groups(plan_file: str | os.PathLike | dict[str, Any], groups: str) -> None:
+    """Refuse (one-line ValueError) a plan file not planned with ``groups``: a grouped request (a server that
+    needs whole serving groups) on a plan made free. ``plan_file``: a ``profile.json``, the folder holding it,
+    or its parsed dict."""
+    check_groups(groups)
+    if isinstance(plan_file, dict):
+        data, shown = plan_file, "the plan"
+    else:
+        path = Path(plan_file)
+        path = path / "profile.json" if path.is_dir() else path
+        shown = str(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{shown}: not a readable plan file ({type(e).__name__})") from None
+    made = plan_groups(data)
+    if made != groups:
+        how = "free (no groups recorded)" if made is None else f"with groups={made!r}"
+        raise ValueError(f"{shown} was planned {how}, not with groups={groups!r}: plan again with groups={groups!r} "
+                         f"(gnmr-hf profile --groups {groups}, or profile.groups: {groups} in a recipe)")
+
+
 def plan(
     profile: SensitivityProfile,
     budget_bytes: int | None = None,
@@ -230,6 +327,7 @@ def plan(
     heldout_reference: tuple[float, float] | None = None,
     units: UnitSpec = None,
     priced_in: str = "bf16",
+    groups: str | None = None,
 ) -> PrecisionPlan:
     """Choose the units to keep on BF16 within a byte budget, and (with ``model``) measure the choice.
 
@@ -261,6 +359,13 @@ def plan(
         heldout_reference: ``(L_low, L_high)`` on ``heldout`` when already measured (saves two forwards).
         priced_in: ``"bf16"`` or ``"held"`` (see above; ``"held"`` needs ``model`` or a profile taken by
             :func:`profile_sensitivity`, which records each unit's held bytes).
+        groups: ``None`` (the default: free, unit by unit) or ``"vllm"``: buy whole serving groups, the
+            linears vLLM fuses into one module (q/k/v of a layer, gate/up; o_proj and down_proj alone), so the
+            plan never splits one (:func:`serving_layout`: the layout read from ``model``'s architecture, else
+            the one the profile recorded). Units sharing a group are one purchase, its price and score the
+            sums of its members' (:func:`gnmr_hf.planning.groups.purchases`), filled greedily by score per
+            byte under the same budget; ``budget_fraction`` is of the same total. What the constraint costs:
+            :func:`format_grouping_table` (``gnmr-hf profile`` prints it).
 
     Returns:
         A :class:`PrecisionPlan`; :func:`skip_modules` turns it into ``llm_int8_skip_modules``.
@@ -268,6 +373,8 @@ def plan(
     Raises:
         ValueError: a budget that buys no unit (below the smallest unit's bytes) or exceeds the total (the
             message gives both), ``budget_fraction`` outside (0, 1], another model or other batches.
+        ServingLayoutError: ``groups="vllm"`` for an architecture whose serving layout is not known, or units
+            that do not fit it (one line naming the linears found; a ValueError).
     """
     name = profile._score_name(criterion)
     if priced_in not in PRICES:
@@ -287,8 +394,15 @@ def plan(
         sizes = held
     else:
         sizes = [u.bytes for u in profile.units]
-    budget = _budget(sizes, [u.name for u in profile.units], budget_bytes, budget_fraction)
-    chosen = greedy_select(profile.scores(name), sizes, budget)
+    if groups is None:
+        budget = _budget(sizes, [u.name for u in profile.units], budget_bytes, budget_fraction)
+        chosen = greedy_select(profile.scores(name), sizes, budget)
+    else:
+        buys, buy_names = unit_purchases(profile, serving_layout(groups, model=model, profile=profile))
+        buy_sizes = purchase_totals(buys, sizes)
+        budget = _budget(buy_sizes, buy_names, budget_bytes, budget_fraction)
+        picks = greedy_select(purchase_totals(buys, profile.scores(name)), buy_sizes, budget)
+        chosen = sorted(i for b in picks for i in buys[b])
     gain_score = name if name in GAIN_SCORES else next((s for s in GAIN_SCORES if s in profile.score_names), None)
     predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
     gap = profile.gap
@@ -299,7 +413,7 @@ def plan(
         bytes=sum(sizes[i] for i in chosen), predicted_gain=predicted,
         predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
         keep_modules=list(profile.keep_modules), priced_in=priced_in,
-        held_bytes=None if held is None else sum(held[i] for i in chosen))
+        held_bytes=None if held is None else sum(held[i] for i in chosen), groups=groups)
     if model is not None:
         if batches is not None:
             prepared, counts = _prepare_batches(model, batches)
@@ -367,6 +481,67 @@ def measure_plan(
     gap = low - high
     return {"loss_low": low, "loss_high": high, "loss_plan": planned,
             "gap_closed": (low - planned) / gap if gap != 0 else math.nan, "seconds": time.perf_counter() - t0}
+
+
+def paired_plans(profile: SensitivityProfile, plans: Sequence[PrecisionPlan], groups: str = "vllm",
+                 **kw: Any) -> tuple[list[PrecisionPlan], list[PrecisionPlan]]:
+    """``(free, grouped)``: each of ``plans`` beside the plan of the other kind (grouped by ``groups`` for a
+    free plan, free for a grouped one) at the same budget, criterion and currency, measured as ``kw`` says
+    (:func:`plan`'s ``model``, ``batches``, ``heldout``, ...); a budget that buys no serving group is left out
+    (a tiny model's smallest budgets). The layout is checked first: an unknown one raises, in one line."""
+    serving_layout(groups, model=kw.get("model"), profile=profile)
+    free, grouped = [], []
+    for p in plans:
+        other = None if p.groups else groups
+        try:
+            q = plan(profile, p.budget_bytes, criterion=p.criterion, priced_in=p.priced_in, groups=other, **kw)
+        except ValueError:  # the layout is known (above): the budget buys no purchase of the other kind
+            continue
+        free.append(q if p.groups else p)
+        grouped.append(p if p.groups else q)
+    return free, grouped
+
+
+def format_grouping_table(free: Sequence[PrecisionPlan], grouped: Sequence[PrecisionPlan],
+                          layout: Sequence[ServingGroup] | None = None,
+                          over_low: dict[str, Any] | None = None) -> str:
+    """The free and the grouped plan at each budget, side by side (rows in pairs): linears kept, serving groups
+    the plan splits (with ``layout``), bytes, predicted and measured gap closed on each data set the plans were
+    measured on (``profile``: in-sample, the batches the plan was chosen on; ``heldout``), and on each grouped
+    row what the constraint cost: grouped minus free gap closed. ``free[i]`` and ``grouped[i]`` are plans of
+    one profile at one budget; ``over_low`` (:func:`gnmr_hf.planning.budget.memory_budget`'s record) adds
+    each plan's memory over the all-low model."""
+    from gnmr_hf.planning.budget import _pct
+    from gnmr_hf.planning.groups import split_groups
+
+    if len(free) != len(grouped):
+        raise ValueError(f"{len(free)} free plan(s) against {len(grouped)} grouped: one of each per budget")
+    wheres = sorted({w for p in [*free, *grouped] for w in p.measured}, key=lambda w: (w != "profile", w))
+    label = {"profile": "profile, in-sample"}
+    head = (["budget", "plan", "linears"] + (["split groups"] if layout is not None else []) + ["extra MiB (BF16)"]
+            + ([f"memory over {over_low['low'].upper()}"] if over_low else []) + ["predicted gap closed"]
+            + [f"gap closed ({label.get(w, w)})" for w in wheres] + [f"grouped - free ({w})" for w in wheres])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f, g in zip(free, grouped):
+        if f.budget_bytes != g.budget_bytes:
+            raise ValueError(f"the free plan's budget is {f.budget_bytes} B, the grouped one's {g.budget_bytes} B")
+        for kind, p in (("free", f), (f"grouped ({g.groups})", g)):
+            row = [f"{_pct(p.budget_fraction)} %", kind, str(len(p.modules))]
+            if layout is not None:
+                row.append(str(len(split_groups(p.modules, layout))))
+            row.append(f"{p.bytes / 2**20:.2f}")
+            if over_low:
+                row.append(f"+{100 * p.bytes / over_low['bf16_per_over_byte'] / over_low['low_model_bytes']:.1f} %")
+            row.append(_fmt(p.predicted_gap_closed, ".3f"))
+            row += [_fmt(p.measured.get(w, {}).get("gap_closed"), ".3f") for w in wheres]
+            if p is g:
+                diffs = [(g.measured.get(w, {}).get("gap_closed"), f.measured.get(w, {}).get("gap_closed"))
+                         for w in wheres]
+                row += [_fmt(None if a is None or b is None else a - b, "+.3f") for a, b in diffs]
+            else:
+                row += [""] * len(wheres)
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 
