@@ -32,7 +32,14 @@ module names):
 (tests/test_export_vllm.py) check every exported entry per architecture, and load the folder.
 
 ``merge=True`` writes a merged BF16 model instead: the adapter folded into the original BF16 weights (not
-into the quantised ones), the portable route for a server without bitsandbytes.
+into the quantised ones), the portable route for a server without bitsandbytes. It takes a precision-ladder
+plan too (INT8 rungs; the plan's names are only checked against the model), which the bitsandbytes folder
+refuses: one bitsandbytes checkpoint holds one low precision.
+
+``gnmr-hf export --format compressed-tensors`` writes the plan (a ladder or a BF16-only plan, with the adapter
+merged first when one is given) through :func:`gnmr_hf.export_ct.export_compressed_tensors` instead: INT4 /
+INT8 / BF16 per linear in one checkpoint that stock ``from_pretrained`` and vLLM load (``--group-size``: the
+INT4 group, 128 by default).
 """
 
 from __future__ import annotations
@@ -143,23 +150,34 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _read_plan(profile_json: str | os.PathLike) -> tuple[list[str], dict[str, Any]]:
+#: why a ladder plan (INT8 rungs) gets no bitsandbytes folder, and where it goes instead
+LADDER_BNB = ("bitsandbytes' format holds one low precision per checkpoint (no stock loader mixes its 4- and 8-bit "
+              "linears): export it with --format compressed-tensors (INT4 / INT8 / BF16 per linear, loaded by stock "
+              "from_pretrained and by vLLM), or the merged BF16 model with --merge --adapter DIR; "
+              "gnmr_hf.load_planned(model_path, profile.json) loads it as trained")
+
+
+def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[list[str], dict[str, Any]]:
+    """``(skip_modules, data)`` of a BF16-only plan; with ``ladder`` (``--merge``, which only needs the plan's
+    names checked against the model) a ladder plan's ``rungs`` names too."""
     path = Path(profile_json)
     if path.is_dir():
         path = path / "profile.json"
     if not path.is_file():
         raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
     from gnmr_hf.planning import SensitivityProfile
-    from gnmr_hf.planning.ladder import LADDER_SERVING, int8_rungs
+    from gnmr_hf.planning.ladder import int8_rungs
 
     try:
         data = json.loads(path.read_text())
     except ValueError:
         data = None  # SensitivityProfile.from_json says what is wrong with it, in one line
     int8 = int8_rungs(data)
+    if int8 and ladder:
+        return sorted(data["rungs"]), data
     if int8:
         raise ExportError(f"{path} is a precision-ladder plan with {len(int8)} INT8 linears (e.g. {int8[0]}): "
-                          f"{LADDER_SERVING}")
+                          f"{LADDER_BNB}")
     try:
         SensitivityProfile.from_json(path)  # validates the fields (one-line errors naming them)
     except ValueError as e:
@@ -213,7 +231,7 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
         raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
     model_path, out_dir = Path(model_path), Path(out_dir)
     _check_model_folder(model_path)
-    skips, profile = _read_plan(profile_json)
+    skips, profile = _read_plan(profile_json, ladder=merge)
     if merge and adapter is None:
         raise ExportError("--merge folds an adapter into the BF16 weights: give --adapter DIR")
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
@@ -467,37 +485,89 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike, has_adapter: b
     return "\n".join(lines)
 
 
+FORMATS = ("bitsandbytes", "compressed-tensors")
+
+
+def _ct_options(args) -> str | None:
+    """The first option that does not apply to ``--format compressed-tensors``, as a one-line reason."""
+    if args.merge:
+        return ("--merge writes the merged BF16 model (format bitsandbytes' --merge); --format compressed-tensors "
+                "merges --adapter into the BF16 weights itself before quantising")
+    if args.quant is not None:
+        return (f"--quant {args.quant} is bitsandbytes' low precision; compressed-tensors stores the low rung as INT4 "
+                "(W4A16) and the INT8 rung as W8A16: leave --quant out (--group-size sets the INT4 group)")
+    if args.double_quant:
+        return "--double-quant is bitsandbytes' (4-bit scales quantised); compressed-tensors keeps BF16 scales"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
     p = argparse.ArgumentParser(prog="gnmr-hf export", description="Write the planned mixed model as a folder stock "
-                                "transformers loads with no arguments (pre-quantised bitsandbytes + BF16 plan).",
-                                epilog="example: gnmr-hf export --model ~/.cache/gnmr_hf/smollm2-135m-instruct "
-                                       "--plan prof/ --output smollm2-planned-nf4")
+                                "transformers loads with no arguments: pre-quantised bitsandbytes + the plan on BF16 "
+                                "(--format bitsandbytes, BF16-only plans), or compressed-tensors with INT4 / INT8 / BF16 "
+                                "per linear (--format compressed-tensors, ladder plans too; vLLM serves both).",
+                                epilog="examples: gnmr-hf export --model ~/.cache/gnmr_hf/smollm2-135m-instruct "
+                                       "--plan prof/ --output smollm2-planned-nf4;  gnmr-hf export --model gemma3-270m "
+                                       "--plan run/profile.json --adapter run/ --format compressed-tensors --output g-ct")
     p.add_argument("--model", required=True, help="the BF16 model folder (safetensors), or an offline alias")
-    p.add_argument("--plan", required=True, help="profile.json (or the folder holding it) from gnmr-hf profile --budget")
+    p.add_argument("--plan", required=True, help="profile.json (or the folder holding it) from gnmr-hf profile --budget "
+                   "or a recipe (a ladder plan's rungs: --format compressed-tensors or --merge)")
     p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty, or is "
                    "the model, adapter or profile folder, holds one, or is the current folder or a parent of it)")
-    p.add_argument("--quant", default="nf4", choices=QUANTS)
+    p.add_argument("--format", default="bitsandbytes", choices=FORMATS, dest="fmt",
+                   help="bitsandbytes (default): NF4/FP4/INT8 with the planned linears on BF16; compressed-tensors: "
+                   "W4A16 / W8A16 / BF16 per linear (the ladder), stock from_pretrained and vLLM (the serve extra)")
+    p.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes: the low precision (default nf4)")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="compressed-tensors: the INT4 group size (default 128, vLLM's W4A16 preset; it must divide "
+                   "every INT4 linear's input size, e.g. 64 for SmolLM2's 576)")
     p.add_argument("--target", default="vllm", choices=TARGETS,
-                   help="vllm (default): a folder vLLM and transformers load (fused aliases in the skip list; a plan "
-                   "that splits a fused q/k/v or gate/up group is refused); transformers: transformers only, any plan")
-    p.add_argument("--double-quant", action="store_true", help="4-bit: quantise the scales too")
-    p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/)")
-    p.add_argument("--merge", action="store_true", help="write the adapter merged into the BF16 weights instead")
+                   help="vllm (default): a folder vLLM and transformers load (a plan that splits a fused q/k/v or "
+                   "gate/up group is refused); transformers: transformers only, any plan")
+    p.add_argument("--double-quant", action="store_true", help="bitsandbytes 4-bit: quantise the scales too")
+    p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/) for "
+                   "bitsandbytes, merged into the BF16 weights before quantising for compressed-tensors")
+    p.add_argument("--merge", action="store_true", help="write the adapter merged into the BF16 weights instead "
+                   "(any plan, the ladder included)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --output (only a folder gnmr-hf "
                    "export wrote: it holds .gnmr_export.json; replaced by rename, the old one removed last)")
     args = p.parse_args(argv)
     from gnmr_hf.offline.gguf_models import resolve_model
 
-    try:
-        s = export_planned(resolve_model(args.model), args.plan, args.output, quant=args.quant, adapter=args.adapter,
-                           merge=args.merge, force=args.force, double_quant=args.double_quant, target=args.target)
-    except (ExportError, FileNotFoundError) as e:
-        print(f"gnmr-hf export: error: {e}", file=sys.stderr)
+    def fail(msg: str) -> int:
+        print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
         return 2
+
     mib = 2**20
+    if args.fmt == "compressed-tensors":
+        bad = _ct_options(args)
+        if bad:
+            return fail(bad)
+        from gnmr_hf.export_ct import export_compressed_tensors
+
+        try:
+            s = export_compressed_tensors(resolve_model(args.model), args.plan, args.output, adapter=args.adapter,
+                                          group_size=128 if args.group_size is None else args.group_size,
+                                          force=args.force, target=args.target)
+        except (ExportError, OutputFolderError, FileNotFoundError, ImportError) as e:
+            return fail(str(e))
+        c = s["schemes"]
+        print(f"wrote {s['folder']} (compressed-tensors, for {s['target']}): W4A16 {c['W4A16']} / W8A16 {c['W8A16']} / "
+              f"BF16 {c['BF16']} decoder linears, INT4 group {s['group_size']}; {s['bytes_on_disk'] / mib:.1f} MiB on "
+              f"disk; tensors {s['tensor_bytes'] / mib:.1f} MiB ({100 * (s['tensor_bytes'] / s['w4a16_tensor_bytes'] - 1):+.1f} "
+              f"% over uniform W4A16, {s['w4a16_tensor_bytes'] / mib:.1f} MiB; BF16 {s['bf16_tensor_bytes'] / mib:.1f} MiB)")
+        return 0
+    if args.group_size is not None:
+        return fail("--group-size is the compressed-tensors INT4 group: add --format compressed-tensors")
+    try:
+        s = export_planned(resolve_model(args.model), args.plan, args.output, quant=args.quant or "nf4",
+                           adapter=args.adapter, merge=args.merge, force=args.force, double_quant=args.double_quant,
+                           target=args.target)
+    except (ExportError, FileNotFoundError) as e:
+        return fail(str(e))
     print(f"wrote {s['folder']} ({s['kind']}): {s['bytes_on_disk'] / mib:.1f} MiB on disk; the BF16 checkpoint "
           f"{s['bf16_checkpoint_bytes'] / mib:.1f} MiB, all-{(s['quant'] or 'nf4').upper()} weights "
           f"{s['all_low_weights_bytes'] / mib:.1f} MiB (predicted); {len(s['kept'])} module(s) kept unquantised"

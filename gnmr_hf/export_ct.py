@@ -117,6 +117,81 @@ def fake_quantize_model(model, rungs: Mapping[str, str], group_size: int = 128, 
     return model
 
 
+def ct_rung_prices(out_features: int, in_features: int, group_size: int = 128) -> dict[str, int]:
+    """Bytes each rung of one linear costs in the folder over its W4A16 form (:func:`ct_tensor_bytes`, bias aside)."""
+    shape = {"x": (out_features, in_features, False)}
+    low = ct_tensor_bytes(shape, {}, 0, group_size)
+    return {r: ct_tensor_bytes(shape, {"x": r}, 0, group_size) - low for r in ("int8", "bf16")}
+
+
+def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | None = None) -> list[Any]:
+    """Every decoder linear's first-order gain on the INT8 and BF16 rungs against this export's own W4A16 low
+    path, and each rung's price in the folder's bytes: the profile for a plan meant for
+    :func:`export_compressed_tensors` (a plan profiled against NF4 ranks another quantiser's errors).
+
+    The low point is the uniform W4A16 model exactly: each decoder linear's weight replaced by
+    :func:`int4_fake_quant` of its BF16 value (bit-exact to the served weight). One forward and backward per
+    batch there gives ``dL/dW`` at that point, and a rung's gain is ``-<dL/dW, W_rung - W_low>`` summed over the
+    batches (``W_rung``: :func:`int8_fake_quant` of the BF16 weight, or the BF16 weight), the same first-order
+    estimate as :func:`gnmr_hf.planning.ladder.rung_gains` (``-<dL/dy, y_rung - y_low>`` summed over tokens,
+    since ``y = x W^T``).
+
+    Args:
+        model: the BF16 checkpoint loaded in the dtype to compute in (FP32: its weights are the BF16 values
+            upcast exactly; they are quantised from their BF16 value); restored before returning.
+        batches: dicts with ``input_ids``, ``labels`` (and optionally ``attention_mask``).
+        group_size: the W4A16 group size the export will use.
+        linears: the decoder linears (default :func:`gnmr_hf.planning.groups.decoder_linears`).
+
+    Returns:
+        ``LadderUnit`` per linear (:class:`gnmr_hf.planning.ladder.LadderUnit`), prices from :func:`ct_rung_prices`:
+        feed them to ``choose_rungs`` (with the serving groups for vLLM).
+    """
+    import torch
+
+    from gnmr_hf.planning.groups import decoder_linears
+    from gnmr_hf.planning.ladder import LadderUnit
+
+    names = list(linears) if linears is not None else decoder_linears(model)
+    modules = dict(model.named_modules())
+    originals = {n: modules[n].weight.detach().clone() for n in names}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    units = []
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        for n in names:
+            w = modules[n].weight
+            w.data.copy_(int4_fake_quant(originals[n].to(torch.bfloat16), group_size).to(w.dtype))
+            w.grad = None
+            w.requires_grad_(True)
+        model.eval()
+        with torch.enable_grad():
+            for b in batches:
+                b = dict(b)
+                out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
+                out.loss.backward()
+        for n in names:
+            w = modules[n].weight
+            bf16 = originals[n].to(torch.bfloat16)
+            low = w.detach()
+            grad = w.grad.to(torch.float64)
+            gains = {"int8": -float((grad * (int8_fake_quant(bf16).to(low.dtype) - low).to(torch.float64)).sum()),
+                     "bf16": -float((grad * (bf16.to(low.dtype) - low).to(torch.float64)).sum())}
+            rows, cols = w.shape
+            units.append(LadderUnit(n, w.numel(), rows, gains=gains, prices=ct_rung_prices(rows, cols, group_size)))
+    finally:
+        for n in names:
+            w = modules[n].weight
+            w.grad = None
+            w.data.copy_(originals[n])
+        for p, f in flags:
+            p.requires_grad_(f)
+        model.train(was_training)
+    return units
+
+
 def _weight_args(rung: str, group_size: int):
     """The library's ``QuantizationArgs`` of a rung's weights (W4A16 is vLLM's preset, its group size set)."""
     from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
