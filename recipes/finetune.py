@@ -116,9 +116,67 @@ def refuse_prequantised(model_path: str) -> None:
         raise RecipeError(PREQUANTISED.format(source=f"model {model_path}", what=what))
 
 
-def quantization_config(script: ScriptArguments):
+def sharded_run(args) -> bool:
+    """Whether the run asks for FSDP: the Trainer's ``fsdp`` argument (``--fsdp full_shard --fsdp_config ...``) or
+    an ``accelerate launch`` FSDP config (which sets ``ACCELERATE_USE_FSDP``)."""
+    return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+
+
+#: the precisions that shard under FSDP2: a 4-bit base stored in the compute dtype (``bnb_4bit_quant_storage``)
+SHARDABLE = ("bf16", *NF4_PRECISIONS)
+
+
+def prepare_sharding(recipe: Recipe) -> None:
+    """A sharded (FSDP) run: refuse what cannot shard in one line (an INT8 base: ``Int8Params`` are integer
+    weights with their row scales beside them; FSDP1), and on a machine without CUDA let accelerate's FSDP plugin
+    take effect in the CPU processes (``recipes/stress/pretrain.accelerate_fsdp_on_cpu``: tests, dry runs)."""
+    import torch
+
+    script, args = recipe.script, recipe.training
+    if script.precision not in SHARDABLE:
+        raise RecipeError(f"precision {script.precision} does not shard under FSDP: its INT8 base (Int8Params) cannot "
+                          f"be sharded; shard {', '.join(SHARDABLE)} (docs/fsdp2.md) or train {script.precision} with "
+                          "DDP (recipes/accelerate/2gpu-ddp.yaml)")
+    config = args.fsdp_config if isinstance(args.fsdp_config, dict) else {}
+    version = int(config.get("version", os.environ.get("FSDP_VERSION", 1)) or 1)
+    if version != 2:
+        raise RecipeError(f"FSDP version {version}: the recipes shard with FSDP2 only (fsdp_version: 2, "
+                          "recipes/accelerate/fsdp2-qlora.yaml, docs/fsdp2.md)")
+    if not torch.cuda.is_available():
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gnmr_stress_pretrain",
+                                                      Path(__file__).resolve().parent / "stress" / "pretrain.py")
+        pretrain = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pretrain)
+        pretrain.accelerate_fsdp_on_cpu()
+
+
+def same_plan_on_every_rank(plan: dict[str, Any]) -> int:
+    """Check that every rank planned the same linears (each profiles the same batches; a difference would make
+    the ranks train different models): rank 0's plan is gathered with every other rank's and compared on every
+    rank, so all of them stop together on a difference. Returns the number of ranks that agreed (1 without a
+    process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 1
+    mine = {k: plan.get(k) for k in ("indices", "modules", "rungs")}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    odd = [r for r, p in enumerate(every) if p != every[0]]
+    if odd:
+        raise RecipeError(f"the ranks planned different linears (rank {odd[0]} differs from rank 0: "
+                          f"{every[odd[0]]['indices']} vs {every[0]['indices']}); profile.batches must read the "
+                          "same data on every rank")
+    return len(every)
+
+
+def quantization_config(script: ScriptArguments, sharded: bool = False):
     """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in
-    ``script.compute_dtype``."""
+    ``script.compute_dtype``. ``sharded`` (an FSDP run): the 4-bit weights are packed into the compute dtype
+    (``bnb_4bit_quant_storage``), so that FSDP2 shards them as ordinary tensors (the route transformers, PEFT and
+    bitsandbytes document for FSDP + QLoRA)."""
     if script.precision == "bf16":
         return None
     import torch
@@ -130,9 +188,10 @@ def quantization_config(script: ScriptArguments):
 
     if script.precision in INT8_PRECISIONS:
         return BitsAndBytesConfig(load_in_8bit=True)
+    storage = {"bnb_4bit_quant_storage": getattr(torch, script.compute_dtype)} if sharded else {}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_compute_dtype=getattr(torch, script.compute_dtype),
-                              bnb_4bit_use_double_quant=script.bnb_4bit_use_double_quant)
+                              bnb_4bit_use_double_quant=script.bnb_4bit_use_double_quant, **storage)
 
 
 def load_model(recipe: Recipe, model_path: str):
@@ -153,7 +212,8 @@ def load_model(recipe: Recipe, model_path: str):
     device_map = {"": int(os.environ.get("LOCAL_RANK", 0))} if torch.cuda.is_available() else None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device_map,
-                                                     quantization_config=quantization_config(recipe.script))
+                                                     quantization_config=quantization_config(
+                                                         recipe.script, sharded_run(recipe.training)))
     except OSError as e:
         raise RecipeError(f"could not load the model from {model_path}: {e}") from None
     if recipe.script.precision in GNMR_PRECISIONS:
@@ -455,7 +515,10 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
               "profile_seconds": round(time.time() - t0, 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        saved = {"rungs": chosen, "plan": record,
+        from gnmr_hf.planning.profiler import model_identity
+
+        # the checkpoint the plan was made on: load_planned checks it
+        saved = {"rungs": chosen, "plan": record, "model_identity": model_identity(model_path),
                  "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
                            for u in ladder_units]}
         tmp = Path(args.output_dir) / ".profile.json.tmp"
@@ -485,6 +548,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     start = time.time()
     # bitsandbytes warns on every INT8 matmul that it casts BF16 inputs to FP16; once is enough
     warnings.filterwarnings("once", message="MatMul8bitLt: inputs will be cast")
+    if sharded_run(args):
+        prepare_sharding(recipe)  # before the model is loaded (its 4-bit storage) and the Trainer built
     if args.process_index == 0:
         Path(args.output_dir, "run.json").unlink(missing_ok=True)  # a stale one would mark this run done
     set_seed(args.seed)
@@ -519,6 +584,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     planned = None
     if recipe.profile.enabled:
         policy, planned = planned_policy(recipe, model, train_ds, tokenizer, model_path)
+        planned["ranks_agreed"] = same_plan_on_every_rank(planned)  # every rank profiled: the same plan, checked
         callbacks.append(__import__("gnmr_hf").GNMRCallback(policy=policy))
     loftq = None
     if recipe.lora.lora_init == "loftq":
@@ -571,6 +637,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
             "versions": package_versions(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "world_size": args.world_size,
+            "sharded": "fsdp2" if sharded_run(args) else None,
             "num_train_examples": len(train_ds),
             "global_step": trainer.state.global_step,
             "wall_time_s": round(train_seconds, 2),

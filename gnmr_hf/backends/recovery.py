@@ -343,7 +343,9 @@ class CheckpointRecovery(DualPathModule):
         # PEFT's merge (and unmerge) writes a new quantised weight into the base layer: refused, since the
         # recovery path would keep the original weight without the LoRA delta. A parameter over the same
         # storage (PEFT's dequantize_module_weight re-assigns `weight.to(device)` on CPU) changes nothing.
-        if name == "weight" and "_gnmr_source" in self.__dict__ and not _same_tensor(value, self._parameters.get("weight")):
+        # FSDP2 swaps the weight between its DTensor shard and the all-gathered parameter at every unshard/reshard
+        if (name == "weight" and "_gnmr_source" in self.__dict__ and not _same_tensor(value, self._parameters.get("weight"))
+                and not _fsdp_swap(value, self._parameters.get("weight"))):
             raise ValueError(MERGE_REFUSED.format(key=self._gnmr_source.key))
         super().__setattr__(name, value)
 
@@ -352,6 +354,16 @@ class CheckpointRecovery(DualPathModule):
             f"{super().extra_repr()}, recovery={self.recovery}, rung={self._gnmr_source.rung}, "
             f"storage={self._gnmr_source.storage}, recovery_key={self._gnmr_source.key!r}"
         )
+
+
+def _fsdp_swap(a: Any, b: Any) -> bool:
+    """Whether assigning ``a`` over ``b`` is FSDP2 swapping a weight between its ``DTensor`` shard and its
+    all-gathered parameter (one side a ``DTensor``, the other a tensor of the same global shape and dtype)."""
+    if not (torch.distributed.is_available() and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(a, DTensor) != isinstance(b, DTensor) and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _same_tensor(a: Any, b: Any) -> bool:

@@ -234,13 +234,19 @@ def refuse_unprepared(model: torch.nn.Module, max_active: int, recoverable: list
 
 
 BNB_FSDP_REFUSED = (
-    "GNMRCallback: bitsandbytes dual-path layers ({names}) cannot run under FSDP: FSDP2 with bitsandbytes 4-bit "
-    "weights is unreliable upstream today (accelerate issue #3983: QLoRA training silently corrupted; accelerate "
-    "PR #3987 keeps Params4bit out of the sharding instead of sharding it), and sharding the INT8 weights is not "
-    "supported either. Train the bitsandbytes dual path with DDP: accelerate launch --multi_gpu --num_processes N "
-    "(recipes/accelerate/2gpu-ddp.yaml), each GPU holding the quantised model; FSDP2 is supported for the act-quant "
-    "and MX low paths (docs/fsdp2.md)."
+    "GNMRCallback: bitsandbytes dual-path layers ({names}) cannot run under FSDP: {why}. Shard a 4-bit base "
+    "stored in a float dtype (BitsAndBytesConfig(bnb_4bit_quant_storage=<compute dtype>), FSDP2: docs/fsdp2.md, "
+    "recipes/accelerate/fsdp2-qlora.yaml; a uint8-stored 4-bit weight is what accelerate issue #3983 / PR #3987 "
+    "keep out of the sharding), or train with DDP: accelerate launch --multi_gpu --num_processes N "
+    "(recipes/accelerate/2gpu-ddp.yaml), each GPU holding the quantised model."
 )
+
+#: why each bitsandbytes dual path that stays refused under FSDP is refused (one line each)
+BNB_FSDP_WHY = {
+    "int8": "an INT8 base (Int8Params: integer weights with their row scales beside them) cannot be sharded by FSDP",
+    "uint8": "its 4-bit weights are stored as uint8, which FSDP cannot shard (a float bnb_4bit_quant_storage can be)",
+    "fsdp1": "FSDP1 (flat parameters) is not supported; the 4-bit dual path shards under FSDP2 only",
+}
 
 
 def bnb_dual_path(model: torch.nn.Module) -> list[str]:
@@ -251,25 +257,57 @@ def bnb_dual_path(model: torch.nn.Module) -> list[str]:
             and any(c.__module__.split(".")[0] == "bitsandbytes" for c in type(m).__mro__)]
 
 
+def bnb_unshardable(model: torch.nn.Module) -> tuple[list[str], str]:
+    """The bitsandbytes dual-path modules FSDP cannot shard and why (:data:`BNB_FSDP_WHY`'s key): INT8 bases, and
+    4-bit bases whose packed weight is not a float tensor (the default uint8 ``bnb_4bit_quant_storage``). A 4-bit
+    base stored in a float dtype shards as an ordinary tensor under FSDP2 (its quantisation state stays on the
+    module, where bitsandbytes restores it after the all-gather); an INT8 *rung* of the ladder is a plain attribute,
+    not a parameter, and stays whole on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    names = bnb_dual_path(model)
+    mods = dict(model.named_modules())
+    int8 = [n for n in names if not any(c.__name__ == "Linear4bit" for c in type(mods[n]).__mro__)]
+    if int8:
+        return int8, "int8"
+
+    def floating(w: torch.Tensor) -> bool:
+        return (w.to_local() if isinstance(w, DTensor) else w).is_floating_point()
+
+    return [n for n in names if not floating(mods[n].weight)], "uint8"
+
+
 def fsdp_requested(args: Any, trainer: Any) -> bool:
     """Whether the run asks for FSDP: ``TrainingArguments(fsdp=...)``, an accelerate FSDP plugin or state."""
     kind = str(getattr(getattr(trainer, "accelerator", None), "distributed_type", ""))
     return bool(getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False) or "FSDP" in kind)
 
 
+def _fsdp1_requested(args: Any, trainer: Any) -> bool:
+    acc = getattr(trainer, "accelerator", None)
+    if acc is not None and getattr(acc, "state", None) is not None and "FSDP" in str(acc.distributed_type):
+        return not getattr(acc, "is_fsdp2", False)
+    config = getattr(args, "fsdp_config", None) or {}
+    version = config.get("version", config.get("fsdp_version", 1)) if isinstance(config, dict) else 1
+    return bool(getattr(args, "fsdp", None)) and int(version) != 2
+
+
 def refuse_bnb_sharded(args: Any, trainer: Any, model: torch.nn.Module) -> None:
-    """``ValueError`` (:data:`BNB_FSDP_REFUSED`) for bitsandbytes dual-path layers in a run that asks for FSDP or
-    whose parameters are already ``DTensor`` s. Checked when the callback joins the Trainer (before accelerate
-    shards the model) and again at train begin."""
+    """``ValueError`` (:data:`BNB_FSDP_REFUSED`) for bitsandbytes dual-path layers that FSDP cannot shard, in a run
+    that asks for FSDP or whose parameters are already ``DTensor`` s: INT8 bases, uint8-stored 4-bit bases, and any
+    of them under FSDP1 (:data:`BNB_FSDP_WHY`). A 4-bit base stored in a float dtype is sharded by FSDP2.
+    Checked when the callback joins the Trainer (before accelerate shards the model) and again at train begin."""
     if model is None:
         return
     sharded = fsdp_requested(args, trainer) or _any_dtensor(model)
     if not sharded:
         return
-    names = bnb_dual_path(model)
+    names, why = bnb_unshardable(model)
+    if not names and bnb_dual_path(model) and _fsdp1_requested(args, trainer):
+        names, why = bnb_dual_path(model), "fsdp1"
     if names:
         shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
-        raise ValueError(BNB_FSDP_REFUSED.format(names=shown))
+        raise ValueError(BNB_FSDP_REFUSED.format(names=shown, why=BNB_FSDP_WHY[why]))
 
 
 def _any_dtensor(model: torch.nn.Module) -> bool:
