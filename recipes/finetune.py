@@ -172,6 +172,19 @@ def same_plan_on_every_rank(plan: dict[str, Any]) -> int:
     return len(every)
 
 
+def save_sharded_adapter(trainer, output_dir: str) -> None:
+    """Save the LoRA adapter of an FSDP2 run as a stock PEFT adapter: the Trainer's ``save_model`` writes nothing
+    for a sharded state dict outside checkpoints, so every trainable (LoRA) ``DTensor`` is gathered in full (a
+    collective, the same order on every rank; the 4-bit base is not gathered) and rank 0 writes it."""
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            for n, p in model.named_parameters() if p.requires_grad}
+    if trainer.is_world_process_zero():
+        model.save_pretrained(output_dir, state_dict=full)
+
+
 def quantization_config(script: ScriptArguments, sharded: bool = False):
     """The ``BitsAndBytesConfig`` of ``script.precision`` (None for bf16); 4-bit computes in
     ``script.compute_dtype``. ``sharded`` (an FSDP run): the 4-bit weights are packed into the compute dtype
@@ -622,7 +635,10 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.time() - start
 
-    trainer.save_model(args.output_dir)  # a PeftModel saves just the adapter
+    if sharded_run(args):
+        save_sharded_adapter(trainer, args.output_dir)
+    else:
+        trainer.save_model(args.output_dir)  # a PeftModel saves just the adapter
     trainer.save_state()  # trainer_state.json: the loss log the demo plots
     record: dict[str, Any] = {}
     if trainer.is_world_process_zero():
