@@ -209,15 +209,19 @@ LAYERS = {
     "trainer": {"trainer", "core", "backends", "units", "_import_utils"},
     "reporting": {"reporting", "_import_utils"},
     "offline": {"offline", "_import_utils"},
-    # backends: an NF4 base keeps bitsandbytes' reference layout, as the recipes train it
-    "evaluation": {"evaluation", "reporting", "offline", "hardware", "backends", "_import_utils"},
+    # backends: an NF4 base keeps bitsandbytes' reference layout, as the recipes train it; planning: --plan loads a
+    # ladder plan through planning.ladder.load_planned (the loader the plan was made for, which reads and checks the
+    # plan file against the model); memory: the summary states the bytes the scored model holds (model_bytes)
+    "evaluation": {"evaluation", "reporting", "offline", "hardware", "backends", "_import_utils", "planning", "memory"},
     "hardware": set(),
     "memory": set(),  # byte accounting from shapes: imports nothing of the package
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
-    "export": {"export", "export_folder", "planning", "memory", "offline"},  # reads profile.json, prices, resolves aliases
+    # reads profile.json, prices, resolves aliases; its CLI's --format compressed-tensors calls export_ct (which
+    # imports export's ExportError back at its top: export imports export_ct only inside main())
+    "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct"},
     "export_folder": set(),  # the output-folder contract: paths only, shared by both exports
     # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
-    "export_ct": {"export", "export_folder", "planning", "backends"},
+    "export_ct": {"export_folder", "planning", "backends"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
     # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory

@@ -18,6 +18,17 @@ description). Locally the group is rebuilt from the subjects present in ``DIR/mm
 one harness subject task per subject, reading that subject's rows, aggregated like the harness's
 own group (accuracy weighted by subject size).
 
+Every form a user ends with is scored the same way (:func:`load_model`; the summary's ``scored`` says which
+form, the decoder linears per precision and the bytes):
+
+- a BF16 checkpoint, quantised at load (``--precision int8|nf4``, ``--skip-modules``) or not;
+- an exported bitsandbytes folder (``gnmr-hf export``: its ``quantization_config`` says it all) and a
+  compressed-tensors folder (``gnmr-hf export --format compressed-tensors``), loaded as stock
+  ``from_pretrained(folder)`` loads them;
+- a ladder plan on its training base (``--plan profile.json``): the BF16 checkpoint through
+  :func:`gnmr_hf.planning.ladder.load_planned` (the low linears NF4, or INT8 with ``--precision int8``);
+- the merged BF16 model (``gnmr-hf export --merge``), a plain BF16 folder.
+
 The tasks run one at a time (one ``simple_evaluate`` each, on the one loaded model), so each shows its
 own progress bar with an ETA; with ``resume_dir`` (``--resume-dir``) each task's results are written
 there as soon as it finishes and a rerun with the same settings reads them instead of scoring the task
@@ -70,6 +81,7 @@ COMPUTE_DTYPES = ("bfloat16", "float32", "float16", "auto")
 _PER_TASK_KEYS = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better",
                   "n-samples", "samples", "task_hashes")
 _SETTINGS_KEY = "gnmr_hf_task_settings"
+_SCORED_KEY = "gnmr_hf_scored"  # what a task was scored on (describe_scored), kept in its resume file
 _TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
 
 
@@ -341,12 +353,13 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
             data = json.loads(path.read_text())
         except ValueError as e:
             raise EvalError(f"--skip-modules {text}: not JSON ({e})") from None
-        from gnmr_hf.backends.recovery import LADDER_SERVING, int8_rungs
+        from gnmr_hf.backends.recovery import int8_rungs
 
         int8 = int8_rungs(data)
         if int8:
             raise EvalError(f"--skip-modules {text}: a precision-ladder plan with {len(int8)} INT8 linears (e.g. "
-                            f"{int8[0]}), not a skip list: {LADDER_SERVING}")
+                            f"{int8[0]}), not a skip list: score it with --plan {text} (gnmr_hf.load_planned loads "
+                            "it as trained)")
         modules = data.get("skip_modules") if isinstance(data, dict) else None
         if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
             raise EvalError(f"--skip-modules {text}: no 'skip_modules' list of names in it (write one with "
@@ -379,6 +392,109 @@ def _check_skip_modules(precision: str, skip_modules: list[str] | None) -> None:
         raise EvalError("--skip-modules names modules to keep unquantised; it needs --precision int8 or nf4")
 
 
+#: the quantisation methods of a pre-quantised folder the evaluation loads as stock from_pretrained does
+PREQUANTISED = ("bitsandbytes", "compressed-tensors")
+
+
+def folder_quantisation(model: str | os.PathLike) -> str | None:
+    """The ``quant_method`` of a local folder's ``config.json`` ``quantization_config`` (an exported bitsandbytes
+    or compressed-tensors folder), None for a BF16 checkpoint, a hub id or an unreadable config."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    return str(q.get("quant_method") or "unknown") if isinstance(q, dict) and q else None
+
+
+def check_form(model: str, precision: str | None, skip_modules: list[str] | None, plan) -> str:
+    """The precision to load ``model`` at, the options checked against the form (one-line :class:`EvalError`):
+    a pre-quantised folder takes no ``--precision int8|nf4``, ``--skip-modules`` or ``--plan`` (its config says
+    how it is quantised); ``--plan`` loads the low linears at ``precision`` (``nf4`` unless ``int8``), without
+    ``--skip-modules``. ``precision`` None: ``bf16`` (``nf4`` with a plan)."""
+    method = folder_quantisation(model)
+    if method is not None:
+        if method not in PREQUANTISED:
+            raise EvalError(f"--model {model} is quantised with {method!r}; the evaluation loads bitsandbytes and "
+                            "compressed-tensors folders")
+        given = ("--plan" if plan is not None else "--skip-modules" if skip_modules is not None else
+                 f"--precision {precision}" if precision not in (None, "bf16") else None)
+        if given:
+            raise EvalError(f"--model {model} is a pre-quantised {method} folder (its config.json's quantization_config "
+                            f"says how each linear is stored): leave {given} out, or give the BF16 checkpoint it was "
+                            "exported from")
+        return "bf16"
+    if plan is not None:
+        if precision == "bf16":
+            raise EvalError("--plan keeps the planned linears on their rungs and loads the others low: --precision nf4 "
+                            "(the default with --plan) or int8, not bf16")
+        if skip_modules is not None:
+            raise EvalError("--plan and --skip-modules both say which linears stay unquantised: give one (a ladder "
+                            "plan: --plan)")
+        return precision or "nf4"
+    return precision or "bf16"
+
+
+def linear_precision(module) -> str:
+    """How one loaded linear stores its weight: ``NF4`` / ``FP4`` (bitsandbytes 4-bit), ``INT8`` (LLM.int8),
+    ``W4A16`` / ``W8A16`` (a compressed-tensors scheme), else its weight's dtype (``BF16``, ``FP32``, ...)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        bnb = None
+    if bnb is not None and isinstance(module, bnb.nn.Linear4bit):
+        return str(getattr(module.weight, "quant_type", "4bit")).upper()
+    if bnb is not None and isinstance(module, bnb.nn.Linear8bitLt):
+        return "INT8"
+    scheme = getattr(module, "quantization_scheme", None)
+    weights = getattr(scheme, "weights", None) if scheme is not None else None
+    if weights is not None:
+        return f"W{weights.num_bits}A16" if scheme.input_activations is None else f"W{weights.num_bits}A{scheme.input_activations.num_bits}"
+    import torch
+
+    names = {torch.bfloat16: "BF16", torch.float32: "FP32", torch.float16: "FP16"}
+    return names.get(module.weight.dtype, str(module.weight.dtype).removeprefix("torch."))
+
+
+def describe_scored(model, form: str, checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
+    """What a loaded model scores with: ``form``, its linears per precision (every linear but the output head,
+    which is given apart; a PEFT adapter's own LoRA matrices are not counted), the bytes it holds
+    (:func:`gnmr_hf.memory.model_bytes`: parameters, buffers, quantisation states) and the bytes of the
+    checkpoint files it was read from (``checkpoint``'s ``*.safetensors``; None for a hub id)."""
+    import torch
+
+    from gnmr_hf.memory import model_bytes
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    counts: dict[str, int] = {}
+    head_precision = None
+    for name, module in base.named_modules():
+        if not isinstance(module, torch.nn.Linear) or ".lora_" in name:
+            continue
+        kind = linear_precision(module)
+        if module is head:
+            head_precision = kind
+            continue
+        counts[kind] = counts.get(kind, 0) + 1
+    files = sorted(Path(checkpoint).glob("*.safetensors")) if checkpoint is not None and Path(checkpoint).is_dir() else []
+    return {"form": form, "linears": dict(sorted(counts.items())), "lm_head": head_precision,
+            "weights_held_bytes": model_bytes(model)["total"],
+            "checkpoint_bytes": sum(f.stat().st_size for f in files) if files else None,
+            "checkpoint": None if checkpoint is None else str(checkpoint)}
+
+
+def format_scored(scored: dict[str, Any]) -> str:
+    """The summary's one line on what was scored."""
+    mib = 2**20
+    linears = ", ".join(f"{n} {k}" for k, n in scored["linears"].items())
+    disk = ("" if scored.get("checkpoint_bytes") is None else
+            f"; checkpoint read {scored['checkpoint_bytes'] / mib:.1f} MiB on disk")
+    return (f"scored: {scored['form']}: {sum(scored['linears'].values())} linears ({linears}), lm_head "
+            f"{scored['lm_head']}; weights held {scored['weights_held_bytes'] / mib:.1f} MiB{disk}")
+
+
 def resolve_model(model: str | os.PathLike) -> str:
     """``--model`` through the one resolver (:func:`gnmr_hf.offline.gguf_models.resolve_model`): an offline
     alias becomes its checkpoint folder, a folder or hub id stays; anything else is an :class:`EvalError`."""
@@ -390,18 +506,23 @@ def resolve_model(model: str | os.PathLike) -> str:
         raise EvalError(str(e)) from None
 
 
-def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike | None = None,
+def load_model(model: str, precision: str | None = None, adapter: str | os.PathLike | None = None,
                device: str = "cpu", compute_dtype: str = "bfloat16",
-               skip_modules: list[str] | None = None) -> tuple[Any, Any]:
-    """Load the base (BF16, bitsandbytes INT8 or NF4) and apply an optional LoRA adapter with plain PEFT.
+               skip_modules: list[str] | None = None, plan: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """Load the base (BF16, bitsandbytes INT8 or NF4, a pre-quantised folder, or a ladder plan) and apply an
+    optional LoRA adapter with plain PEFT.
 
     Args:
-        model: a local checkpoint folder, a hub id or an offline alias (:func:`resolve_model`).
-        precision: ``"bf16"``, ``"int8"`` (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute) or
+        model: a local checkpoint folder, a hub id or an offline alias (:func:`resolve_model`). A folder whose
+            ``config.json`` has a ``quantization_config`` (``gnmr-hf export``'s bitsandbytes or compressed-tensors
+            folders) is loaded as stock ``from_pretrained`` loads it, on ``device``; ``precision`` must be
+            ``"bf16"`` then (nothing is quantised at load).
+        precision: ``"bf16"`` (None: the default; ``"nf4"`` with ``plan``), ``"int8"``
+            (``BitsAndBytesConfig(load_in_8bit=True)``, BF16 compute) or
             ``"nf4"`` (``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")``, BF16 compute:
             the base a QLoRA adapter was trained on). Its layers compute with bitsandbytes' reference
             de-quantise + matmul on every device (:func:`gnmr_hf.backends.bnb_4bit.keep_reference_layout`),
-            as the recipes train.
+            as the recipes train. With ``plan``: the low path of the linears the plan leaves low.
         adapter: a PEFT adapter folder (``adapter_config.json`` + weights), or None.
         device: ``"cpu"`` or ``"cuda"``.
         compute_dtype: the dtype the model computes in: ``"bfloat16"`` (default), ``"float32"`` (the
@@ -411,19 +532,32 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
             unquantised (their checkpoint weights in ``compute_dtype``), e.g. a plan's
             :func:`gnmr_hf.skip_modules` list: the mixed base a planned adapter trained on. The list
             replaces transformers' default one (which keeps ``lm_head``), as in ``BitsAndBytesConfig``.
+        plan: a plan file (a ladder's ``rungs`` or a BF16-only plan's ``profile.json``, or its folder) loaded
+            on ``model`` (its BF16 checkpoint) through :func:`gnmr_hf.planning.ladder.load_planned`: each planned
+            linear on its rung (INT8 ``Linear8bitLt``, BF16), the others ``precision`` (``nf4`` or ``int8``).
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode.
+        ``(model, tokenizer)``, the model in eval mode (:func:`load_scored` also says what was loaded).
     """
+    model, tokenizer, _ = load_scored(model, precision, adapter, device, compute_dtype, skip_modules, plan)
+    return model, tokenizer
+
+
+def load_scored(model: str, precision: str | None = None, adapter: str | os.PathLike | None = None,
+                device: str = "cpu", compute_dtype: str = "bfloat16", skip_modules: list[str] | None = None,
+                plan: str | os.PathLike | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """:func:`load_model`, and what it loaded (:func:`describe_scored`)."""
     require("transformers", "Evaluating a model")
-    if precision not in PRECISIONS:
+    if precision is not None and precision not in PRECISIONS:
         raise EvalError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     dtype_name = _compute_dtype(compute_dtype)
-    _check_skip_modules(precision, skip_modules)
     if adapter is not None:
         require("peft", "Loading a LoRA adapter")
         _read_adapter_config(adapter)
     model = resolve_model(model)
+    method = folder_quantisation(model)
+    precision = check_form(model, precision, skip_modules, plan)
+    _check_skip_modules(precision, skip_modules)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -435,8 +569,26 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
         raise EvalError(f"cannot load a tokenizer from --model {model}: {e}") from None
+    device_map = {"": device if device != "cuda" else torch.cuda.current_device()}
+    local = Path(model).is_dir()
+    if plan is not None:
+        from gnmr_hf.planning.ladder import load_planned
+
+        require("bitsandbytes", "Loading a plan's low linears")
+        try:
+            base = load_planned(model, plan, low=precision, dtype=dtype, compute_dtype=dtype, device_map=device_map)
+        except (ValueError, OSError) as e:
+            raise EvalError(f"--plan {plan}: {e}") from None
+        low = {"nf4": "NF4", "int8": "INT8"}[precision]
+        form = f"a plan on its training base ({Path(plan).name}, gnmr_hf.load_planned; the other linears {low})"
+        scored = _finish(base, tokenizer, adapter, form, model if local else None)
+        return scored
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if precision in ("int8", "nf4"):
+    if method is not None:
+        require("bitsandbytes" if method == "bitsandbytes" else "compressed_tensors",
+                f"Loading a pre-quantised {method} folder")
+        kwargs["device_map"] = device_map
+    elif precision in ("int8", "nf4"):
         require("bitsandbytes", f"Loading the base model in {precision.upper()}")
         from transformers import BitsAndBytesConfig
 
@@ -444,7 +596,7 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
         kwargs["quantization_config"] = (
             BitsAndBytesConfig(load_in_8bit=True, **skip) if precision == "int8" else
             BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, **skip))
-        kwargs["device_map"] = {"": device if device != "cuda" else torch.cuda.current_device()}
+        kwargs["device_map"] = device_map
     try:
         base = AutoModelForCausalLM.from_pretrained(model, **kwargs)
     except OSError as e:
@@ -460,21 +612,45 @@ def load_model(model: str, precision: str = "bf16", adapter: str | os.PathLike |
                 "; lm_head is not among them, so it is quantised too (add lm_head to keep the stock behaviour)")
         print(f"gnmr-hf eval: --skip-modules keeps {len(kept)} of {total} linears unquantised{note}",
               file=sys.stderr, flush=True)
-    if precision == "bf16":
+    if precision == "bf16" and method is None:
         base = base.to(device)
-    if precision == "nf4":
+    if precision == "nf4" or method == "bitsandbytes":
         from gnmr_hf.backends.bnb_4bit import keep_reference_layout
 
         # the reference de-quantise + matmul, as in training (the recipes, the dual path): without it
         # bitsandbytes repacks on CPUs with AVX512-BF16 (BF16 block scales) and the scores differ by CPU
         keep_reference_layout(base)
+    if method is not None:
+        marker = _export_marker(model)
+        form = f"an exported {method} folder" + (f" ({marker['kind']})" if marker.get("kind") else "")
+    elif _export_marker(model).get("kind") == "merged-bf16":
+        form = "the merged BF16 model (gnmr-hf export --merge)"
+    else:
+        form = ("a BF16 checkpoint" if precision == "bf16" else
+                f"a BF16 checkpoint quantised at load to {precision.upper()}"
+                + ("" if skip_modules is None else f", {len(skip_modules)} --skip-modules entries kept"))
+    return _finish(base, tokenizer, adapter, form, model if local else None)
+
+
+def _export_marker(model: str) -> dict[str, Any]:
+    """The marker ``gnmr-hf export`` leaves in its folders (:data:`gnmr_hf.export_folder.MARKER`), or ``{}``."""
+    try:
+        data = json.loads((Path(model) / ".gnmr_export.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _finish(base, tokenizer, adapter, form: str, checkpoint) -> tuple[Any, Any, dict[str, Any]]:
+    """The adapter applied, eval mode, and what was loaded."""
     if adapter is not None:
         from peft import PeftModel
 
         check_adapter_matches(base, adapter)
         base = PeftModel.from_pretrained(base, str(adapter), is_trainable=False)
+        form += f" + the LoRA adapter {Path(str(adapter).rstrip('/')).name}"
     base.eval()
-    return base, tokenizer
+    return base, tokenizer, describe_scored(base, form, checkpoint)
 
 
 def _compute_dtype(name: str) -> str:
@@ -502,7 +678,7 @@ def evaluate(
     tasks: str | list[str] = TASKS,
     *,
     adapter: str | os.PathLike | None = None,
-    precision: str = "bf16",
+    precision: str | None = None,
     data_dir: str | os.PathLike | None = None,
     limit: int | float | None = None,
     batch_size: int | str = 1,
@@ -517,6 +693,7 @@ def evaluate(
     resume_dir: str | os.PathLike | None = None,
     bootstrap_iters: int = 100000,
     skip_modules: list[str] | None = None,
+    plan: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Score ``model`` (+ ``adapter``) on the bundled tasks with lm-evaluation-harness.
 
@@ -524,7 +701,8 @@ def evaluate(
         model: base checkpoint folder, hub id or offline alias (:func:`resolve_model`).
         tasks: any of ``gsm8k, mmlu, hellaswag, wikitext`` (list or comma-separated string).
         adapter: PEFT LoRA adapter folder applied on the base, or None.
-        precision: ``"bf16"``, ``"int8"`` or ``"nf4"`` (bitsandbytes) for the base weights.
+        precision: ``"bf16"``, ``"int8"`` or ``"nf4"`` (bitsandbytes) for the base weights; None: ``bf16``
+            (``nf4`` with ``plan``). A pre-quantised folder (an export) is loaded as its config says.
         data_dir: local data in the hub schemas (``DIR/<task>/<split>.jsonl``); None = hub datasets.
         limit: at most this many documents per task (per MMLU subject), as the harness's ``--limit``.
         batch_size: the harness's batch size (int or ``"auto"``). In BF16 a batch of several documents
@@ -547,11 +725,13 @@ def evaluate(
         bootstrap_iters: the harness's bootstrap resamples for the stderr of non-mean metrics (the
             perplexities); 0 skips those stderrs (the metrics are the same).
         skip_modules: for ``int8`` / ``nf4``, the modules kept unquantised (see :func:`load_model`).
+        plan: a plan file loaded through ``gnmr_hf.load_planned`` on ``model`` (see :func:`load_model`).
 
     Returns:
         the harness's results dict (the tasks' runs merged), plus ``"summary"``: the Table 7 numbers (see
-        :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row), the run's settings
-        and ``"read_back"`` (the tasks read from ``resume_dir`` instead of scored).
+        :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row), the run's settings,
+        ``"read_back"`` (the tasks read from ``resume_dir`` instead of scored) and ``"scored"`` (what was scored:
+        the form, the linears per precision, the bytes held and on disk; :func:`describe_scored`).
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
     task_names = parse_tasks(tasks)
@@ -560,8 +740,11 @@ def evaluate(
     if adapter is not None:
         _read_adapter_config(adapter)
     dtype_name = _compute_dtype(compute_dtype)
-    _check_skip_modules(precision, skip_modules)
     model = resolve_model(model)  # an offline alias -> its checkpoint folder (the settings record the folder)
+    precision = check_form(model, precision, skip_modules, plan)
+    _check_skip_modules(precision, skip_modules)
+    if plan is not None and not Path(plan).exists():
+        raise EvalError(f"--plan {plan}: no such file or folder (a profile.json from a recipe or gnmr-hf profile)")
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -571,6 +754,7 @@ def evaluate(
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()), "limit": limit,
         "num_fewshot": num_fewshot, "max_gen_toks": max_gen_toks, "batch_size": batch_size,
         "log_samples": log_samples, "device": device, "skip_modules": skip_modules,
+        "plan": None if plan is None else str(Path(plan).resolve()),
     }
     parts: dict[str, dict[str, Any]] = {}
     if resume_dir is not None:
@@ -582,15 +766,15 @@ def evaluate(
     with tempfile.TemporaryDirectory(prefix="gnmr_hf_eval_") as work:
         # data first: a bad data folder should fail before the slow model load
         include = write_local_tasks(data_dir, todo, work, num_fewshot) if data_dir is not None and todo else None
-        lm = manager = None
+        lm = manager = scored = None
         for i, task in enumerate(task_names, 1):
             if task in parts:
                 print(f"gnmr-hf eval: {task} ({i}/{len(task_names)}): read from {Path(resume_dir) / f'{task}.json'}",
                       file=sys.stderr, flush=True)
                 continue
             if lm is None:
-                lm, manager = _harness_model(model, precision, adapter, device, dtype_name, batch_size, include,
-                                             skip_modules)
+                lm, manager, scored = _harness_model(model, precision, adapter, device, dtype_name, batch_size,
+                                                     include, skip_modules, plan)
             print(f"gnmr-hf eval: {task} ({i}/{len(task_names)})", file=sys.stderr, flush=True)
             from lm_eval import simple_evaluate
 
@@ -606,16 +790,18 @@ def evaluate(
                 task_manager=manager,
                 bootstrap_iters=bootstrap_iters,
             )
+            part[_SCORED_KEY] = scored
             parts[task] = part
             if resume_dir is not None:
                 write_task_result(Path(resume_dir) / f"{task}.json", part, settings)
-    results = merge_task_results([parts[t] for t in task_names])
+    scored = next((parts[t][_SCORED_KEY] for t in task_names if parts[t].get(_SCORED_KEY)), None)
+    results = merge_task_results([{k: v for k, v in parts[t].items() if k != _SCORED_KEY} for t in task_names])
     method = method or default_method_name(model, precision, adapter)
     summary = summary_from_results(results, method, gsm8k_filter)
     summary.update(
         row=format_row(summary), model=str(model), adapter=None if adapter is None else str(adapter),
         precision=precision, compute_dtype=dtype_name, batch_size=batch_size, max_gen_toks=max_gen_toks,
-        skip_modules=skip_modules,
+        skip_modules=skip_modules, plan=settings["plan"], scored=scored,
         data_dir=None if data_dir is None else str(Path(data_dir).resolve()),
         limit=limit, num_fewshot=num_fewshot, tasks=task_names,
         read_back=[t for t in task_names if t not in todo],  # from resume_dir, not scored by this call
@@ -627,14 +813,14 @@ def evaluate(
 
 
 def _harness_model(model: str, precision: str, adapter: str | os.PathLike | None, device: str, dtype_name: str,
-                   batch_size: int | str, include: Path | None,
-                   skip_modules: list[str] | None = None) -> tuple[Any, Any]:
-    """The loaded model wrapped in the harness's ``HFLM``, and the ``TaskManager`` for the tasks."""
+                   batch_size: int | str, include: Path | None, skip_modules: list[str] | None = None,
+                   plan: str | os.PathLike | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """The loaded model wrapped in the harness's ``HFLM``, the ``TaskManager`` for the tasks, what was loaded."""
     import torch
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    lm_model, tokenizer = load_model(model, precision, adapter, device, dtype_name, skip_modules)
+    lm_model, tokenizer, scored = load_scored(model, precision, adapter, device, dtype_name, skip_modules, plan)
     if include is not None:
         # our folder only: the local tasks keep the harness's names and indexing stays fast
         manager = TaskManager(include_path=str(include), include_defaults=False)
@@ -644,7 +830,7 @@ def _harness_model(model: str, precision: str, adapter: str | os.PathLike | None
     # BF16 (8 mantissa bits: a 2-page WikiText sum of -4608 moves in steps of 32), which hides
     # perplexity differences of the size Table 7 reports; FP32 keeps them.
     lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size, softmax_dtype=torch.float32)
-    return lm, manager
+    return lm, manager, scored
 
 
 def _write_json(path: Path, results: dict[str, Any]) -> None:
@@ -715,6 +901,9 @@ EPILOG = """examples:
   gnmr-hf eval --model PATH --compute-dtype float32 --batch-size 8 --resume-dir runs/eval_parts
   gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter runs/planned-nf4
                                                     # the mixed base a planned adapter trained on
+  gnmr-hf eval --model PATH --plan runs/ladder/profile.json --adapter runs/ladder
+                                                    # a ladder plan on its training base (load_planned)
+  gnmr-hf eval --model exported/                    # an exported folder (bitsandbytes, compressed-tensors, --merge)
   python -m gnmr_hf.offline.eval_data eval_data     # writes the offline evaluation set used above
 
 Errors (a bad task, data folder, adapter or option) are one line on stderr and exit code 2.
@@ -731,7 +920,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="base checkpoint folder, hub id or offline alias "
                                                   "(smollm2-135m-instruct, gemma3-270m)")
     p.add_argument("--adapter", help="PEFT LoRA adapter folder to apply on the base")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="base weights: bf16, bitsandbytes int8 or nf4")
+    p.add_argument("--precision", default=None, choices=PRECISIONS, help="base weights: bf16 (default), bitsandbytes "
+                   "int8 or nf4; with --plan the low linears' (nf4 default); left out for an exported folder")
+    p.add_argument("--plan", help="a plan file (profile.json, or its folder) loaded on --model, the BF16 checkpoint it "
+                   "was made on, through gnmr_hf.load_planned: a ladder's INT8/BF16 rungs, the others --precision")
     p.add_argument("--compute-dtype", default="bfloat16", choices=COMPUTE_DTYPES,
                    help="dtype the model computes in (default bfloat16; float32 makes --batch-size > 1 give the "
                         "batch-1 scores; auto: BF16 where the hardware has BF16 units, else FP32)")
@@ -771,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
             limit=args.limit, batch_size=batch_size, num_fewshot=args.num_fewshot, device=args.device,
             method=args.name, gsm8k_filter=args.gsm8k_filter, max_gen_toks=args.max_gen_toks,
             log_samples=args.log_samples, output=args.output, compute_dtype=args.compute_dtype,
-            resume_dir=args.resume_dir, skip_modules=skip_modules,
+            resume_dir=args.resume_dir, skip_modules=skip_modules, plan=args.plan,
         )
     except (EvalError, ImportError) as e:  # ImportError: require()'s "install it with" message
         print(f"gnmr-hf eval: error: {e}", file=sys.stderr)
@@ -786,6 +978,8 @@ def main(argv: list[str] | None = None) -> int:
     if "groups" in results:
         print(make_table(results, "groups"))
     print(format_table([results["summary"]]))
+    if results["summary"].get("scored"):
+        print(format_scored(results["summary"]["scored"]))
     if args.output:
         print(f"wrote {args.output}", file=sys.stderr)
     bad = [k for k in ("gsm8k_em", "mmlu_acc", "hellaswag_acc", "wikitext_word_ppl")
