@@ -25,7 +25,11 @@ The INT4 rung has no NF4: a plan profiled against NF4 ranks the gains of another
 is the export's INT4 quantiser in plain torch (quantise, dequantise; bit-exact to the library's on the same BF16
 weight, tests/test_export_ct.py), the low path to profile a plan meant for this export against;
 :func:`fake_quantize_model` applies the whole plan to a model in place (the reference the tests compare the stock
-load against).
+load against). :func:`ct_rung_gains` profiles a ladder against that low path (the gradient at the uniform W4A16
+model, each rung's first-order gain, its price in the folder's bytes: :func:`ct_rung_prices`), for
+``choose_rungs`` with the serving groups (bench/serve_bench.py plans and measures it).
+
+From the command line: ``gnmr-hf export --format compressed-tensors --group-size N`` (gnmr_hf/export.py).
 
 Quantisation runs on the CPU, in the weights' BF16, as the library computes there (on a CUDA device it would
 divide in FP32 in a Triton kernel, which can round a code differently).
@@ -40,7 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export import ExportError
+from gnmr_hf.export_folder import ExportError
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
