@@ -454,6 +454,10 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             "seconds": ratio_summary([p["seconds"] for p in recs]),
             "steps": ratio_summary([p["seconds"] / p["step_seconds"] for p in recs]),
             "steps_per_batch": ratio_summary([p["seconds"] / p["step_seconds"] / p["batches"] for p in recs]),
+            # process CPU seconds against the same round's step of the same process: on a busy machine the
+            # steadier figure (a wall-clock second there is partly waiting for a core)
+            "cpu_steps_per_batch": ratio_summary([p["cpu_seconds"] / rounds[p["round"]][owner]["cpu_seconds"]
+                                                  / p["batches"] for p in recs]),
             "peak_bytes": max(p["peak_bytes"] for p in recs), "step_peak_bytes": step_peak,
             "peak_vs_step": max(p["peak_bytes"] for p in recs) / step_peak,
             "growth_bytes": max(p["growth_bytes"] for p in recs), "step_growth_bytes": step_growth,
@@ -513,23 +517,26 @@ def _r(s: dict[str, float], fmt: str = "{:.3f}") -> str:
 
 
 def format_cell(record: dict[str, Any]) -> str:
-    s = record["summary"]
+    """A cell's tables. The goals are judged on CPU time (see :func:`summarize`) and on the absolute peaks."""
+    s = summarize(record)  # from the raw rounds, so a cell written by an earlier version reads the same
     mib = 2**20
     lines = [f"### {record['model']}, {record['dtype']} compute ({len(record['rounds_raw'])} rounds)", "",
              "| method | step s, median [min, max] | time / NF4 step | CPU time / NF4 | peak MiB | peak / NF4 | goal |",
              "|---|---|---|---|---|---|---|"]
     for n, m in s["methods"].items():
         goal = "" if n not in ("planned", "ladder") else (
-            "met" if m["time_vs_nf4"]["median"] <= GOAL_STEP else f"missed (<= {GOAL_STEP})")
+            "met" if m["cpu_vs_nf4"]["median"] <= GOAL_STEP else f"missed (<= {GOAL_STEP})")
         lines.append(f"| {n} | {_r(m['step_seconds'], '{:.2f}')} | {_r(m['time_vs_nf4'])} | {_r(m['cpu_vs_nf4'])} | "
                      f"{m['peak_bytes'] / mib:.0f} | {m['peak_vs_nf4']:.3f} | {goal} |")
     if s["profiles"]:
-        lines += ["", "| profile | batches | seconds | training steps | steps a batch | peak MiB (step's) | "
-                  "peak / step's | growth MiB (step's) | goal |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| profile | batches | seconds | training steps | steps a batch | CPU: steps a batch | "
+                  "peak MiB (step's) | peak / step's | growth MiB (step's) | goal |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for kind, p in s["profiles"].items():
-            ok = p["steps_per_batch"]["median"] <= GOAL_PROFILE_STEPS and p["peak_vs_step"] <= GOAL_PROFILE_PEAK
+            ok = p["cpu_steps_per_batch"]["median"] <= GOAL_PROFILE_STEPS and p["peak_vs_step"] <= GOAL_PROFILE_PEAK
             lines.append(f"| {kind} | {p['batches']} | {_r(p['seconds'], '{:.1f}')} | {_r(p['steps'], '{:.2f}')} | "
-                         f"{_r(p['steps_per_batch'], '{:.2f}')} | {p['peak_bytes'] / mib:.0f} "
+                         f"{_r(p['steps_per_batch'], '{:.2f}')} | {_r(p['cpu_steps_per_batch'], '{:.2f}')} | "
+                         f"{p['peak_bytes'] / mib:.0f} "
                          f"({p['step_peak_bytes'] / mib:.0f}) | {p['peak_vs_step']:.2f} | "
                          f"{p['growth_bytes'] / mib:.0f} ({p['step_growth_bytes'] / mib:.0f}) | "
                          f"{'met' if ok else 'missed'} |")
