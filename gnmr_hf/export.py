@@ -52,16 +52,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export_folder import OutputFolderError, check_output, staged_output
+from gnmr_hf.export_folder import ExportError, OutputFolderError, check_output, staged_output
 
 QUANTS = ("nf4", "fp4", "int8")
 TARGETS = ("vllm", "transformers")  # which server's module names the skip list is written for
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-
-
-class ExportError(ValueError):
-    """Bad input to the export, refused before anything is written (one line)."""
 
 
 def transformers_selects(entry: str, name: str) -> bool:

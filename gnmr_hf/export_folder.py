@@ -33,6 +33,13 @@ MARKER = ".gnmr_export.json"
 _WRITTEN_BY = "gnmr_hf export"
 
 
+class ExportError(ValueError):
+    """Bad input to an export, refused before anything is written (one line).
+
+    Lives here, with the output-folder contract both exports share, so that neither export module imports the
+    other at the top (``gnmr_hf.export`` re-exports it)."""
+
+
 class OutputFolderError(ValueError):
     """An output folder an export may not write or replace (one line)."""
 
