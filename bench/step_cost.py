@@ -413,6 +413,10 @@ def run_cell(model: str, dtype: str, args, tiny_dir: str | None) -> dict[str, An
                         p["round"], p["step_seconds"] = r, row[name]["seconds"]
                         p["step_peak_bytes"], p["step_growth_bytes"] = row[name]["peak_bytes"], row[name]["growth_bytes"]
                         profiles.setdefault(kind, []).append(p)
+                        print(f"[{model} {dtype}] round {r + 1}: {kind} {p['seconds']:.1f} s ({p['cpu_seconds']:.1f} CPU s; "
+                              f"the step {row[name]['seconds']:.1f} s, {row[name]['cpu_seconds']:.1f} CPU s), peak "
+                              f"{p['peak_bytes'] / 2**20:.0f} MiB (the step's {row[name]['peak_bytes'] / 2**20:.0f})",
+                              flush=True)
             rounds.append(row)
             ref = row[REFERENCE]["seconds"]
             print(f"[{model} {dtype}] round {r + 1}/{args.rounds}: "
@@ -465,8 +469,12 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def cell_path(out: Path, model: str, dtype: str) -> Path:
-    return out / f"{model}_{dtype}.json"
+def cell_path(out: Path, model: str, dtype: str, methods: list[str] | None = None) -> Path:
+    """``MODEL_DTYPE.json``; a run of some methods only (``--methods``: fewer processes at once, where memory is
+    short) is its own cell, ``MODEL_DTYPE_nf4-planned.json``."""
+    some = methods is not None and set(methods) | {REFERENCE} != set(METHODS)
+    suffix = "_" + "-".join(m for m in METHODS if m in set(methods) | {REFERENCE}) if some else ""
+    return out / f"{model}_{dtype}{suffix}.json"
 
 
 def tiny_model(folder: Path) -> str:
@@ -496,7 +504,7 @@ def cmd_run(args) -> int:
     models = ["tiny"] if args.short else args.models
     for model in models:
         for dtype in resolve_dtypes(args.dtypes):
-            path = cell_path(out, model, dtype)
+            path = cell_path(out, model, dtype, args.methods)
             if path.is_file():
                 print(f"{path}: already written, skipped", flush=True)
                 continue
