@@ -195,6 +195,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
     from gnmr_hf.core.oracle import OracleAccumulator
     from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
+    from gnmr_hf.reporting.stored import compress
+    from gnmr_hf.trainer.trace import TRACE_NAME
     from gnmr_hf.units import resolve_units
 
     out = Path(args.out)
@@ -286,6 +288,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         for row in oracle_rows:  # the set this step ran, as recorded at its start
             row["active"] = active_per_step[row["step"] - 1]
         result["oracle"] = oracle_report(oracle, oracle_rows, U, max_active, args.profile_steps, args.method)
+    compress(out / TRACE_NAME)  # results stay light: the trace as gnmr_trace.jsonl.gz, before the run counts as done
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, out / "result.json")

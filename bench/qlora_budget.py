@@ -550,6 +550,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from gnmr_hf.backends.base import active_units, recovery_device_bytes, set_active_units
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticSetPolicy
+    from gnmr_hf.reporting.stored import compress
+    from gnmr_hf.trainer.trace import TRACE_NAME
     from gnmr_hf.units import find_decoder_layers, resolve_units
 
     kind, pct = parse_method(args.method)
@@ -732,6 +734,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             row["active"] = active_per_step[row["step"] - 1]
         result.update(oracle_rows=oracle_rows, oracle_every=every, gap_probe_s=round(probe.seconds, 1),
                       unit_names=[gnmr_hf.units.short_name(n) for n, _ in units], unit_bytes=ub)
+    compress(out / TRACE_NAME)  # results stay light: the trace as gnmr_trace.jsonl.gz, before the run counts as done
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(result) + "\n")
     os.replace(tmp, out / "result.json")

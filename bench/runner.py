@@ -12,7 +12,11 @@ file whose existence means "done", and the keys it waits for); :func:`run_plan` 
 - **resume**: a job whose ``done`` file exists is never run again, so a killed plan continues where it
   stopped when started again;
 - **failed set**: a job that exits non-zero is not retried in this plan (the line printed names its log);
-  the jobs waiting for it are dropped with it, and the plan ends with the list of both.
+  the jobs waiting for it are dropped with it, and the plan ends with the list of both;
+- **light results**: a job that succeeded leaves its per-step trace gzip-compressed (``gnmr_trace.jsonl.gz``)
+  and its log too when it is over ``LOG_KEPT_RAW`` bytes (``log.txt.gz``, a later attempt's log appended as a
+  further member); the readers open either copy (``gnmr_hf.reporting.stored.open_text``). A failed job's log
+  stays plain text.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gnmr_hf.reporting.stored import compress
+
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+TRACE = "gnmr_trace.jsonl"  # gnmr_hf.trainer.trace.TRACE_NAME (not imported: that module loads torch)
+LOG_KEPT_RAW = 200_000  # a landed run's log over this many bytes is kept compressed
 _HELD: dict[Path, int] = {}  # run.lock -> the descriptor holding its flock (claim to release)
 
 
@@ -88,11 +96,22 @@ def release(run_dir: Path) -> None:
         os.close(fd)
 
 
+def land(run_dir: Path) -> None:
+    """Keep a finished run light: its trace compressed, and its log when over ``LOG_KEPT_RAW`` bytes."""
+    compress(run_dir / TRACE)
+    log = run_dir / "log.txt"
+    if log.is_file() and log.stat().st_size > LOG_KEPT_RAW:
+        compress(log, append=True)
+
+
 def run_claimed(run_dir: Path, cmd: Sequence[str], what: str) -> bool:
-    """Run ``cmd`` (one torch thread) with its output appended to ``run_dir/log.txt``, then release the lock
-    the caller :func:`claim`-ed; False, with a line naming the log, when it exited non-zero."""
+    """Run ``cmd`` (one torch thread) with its output appended to ``run_dir/log.txt``, :func:`land` it when it
+    succeeded, then release the lock the caller :func:`claim`-ed; False, with a line naming the log, when it
+    exited non-zero."""
     with open(run_dir / "log.txt", "a") as log:
         rc = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+    if rc == 0:
+        land(run_dir)
     release(run_dir)
     if rc != 0:
         print(f"  {what} failed (rc {rc}); see {run_dir / 'log.txt'}", flush=True)

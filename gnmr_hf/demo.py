@@ -101,7 +101,9 @@ def run_complete(run_dir: Path, precision: str, max_steps: int | None = None,
     needed = ["run.json", "adapter_config.json", "adapter_model.safetensors", "trainer_state.json"]
     if precision in CALLBACK_RUNS:
         needed += ["gnmr_trace.jsonl", "gnmr_summary.json"]
-    if not all((run_dir / n).is_file() for n in needed):
+    from gnmr_hf.reporting.stored import exists
+
+    if not all(exists(run_dir / n) for n in needed):  # a trace may be kept compressed (.gz)
         return False
     try:
         record = json.loads((run_dir / "run.json").read_text())

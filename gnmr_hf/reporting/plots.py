@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf._import_utils import require
+from gnmr_hf.reporting.stored import open_text
 
 
 def read_loss_history(run_dir: str | os.PathLike) -> tuple[list[int], list[float]]:
@@ -37,9 +38,10 @@ def read_loss_history(run_dir: str | os.PathLike) -> tuple[list[int], list[float
 
 
 def read_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a ``gnmr_trace.jsonl`` in file order (``NaN``/``Infinity`` read as floats)."""
+    """The records of a ``gnmr_trace.jsonl`` in file order (``NaN``/``Infinity`` read as floats); a trace
+    kept compressed (only ``gnmr_trace.jsonl.gz`` on disk) is read the same."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for line in f:
             line = line.strip()
             if line:

@@ -54,13 +54,17 @@ MX_LABELS = {
 
 
 def load_result(run_dir: str | Path) -> dict:
-    """``result.json`` of one run, with its eval curve re-read from ``metrics.jsonl``."""
+    """``result.json`` of one run, with its eval curve re-read from ``metrics.jsonl`` (or its ``.gz``)."""
+    from gnmr_hf.reporting.stored import exists, open_text
+
     run_dir = Path(run_dir)
     res = json.loads((run_dir / "result.json").read_text())
     curve, train = {}, {}
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
+    if exists(metrics):
+        with open_text(metrics) as f:
+            lines = f.read().splitlines()
+        for line in lines:
             rec = json.loads(line)
             if "eval_loss" in rec:
                 curve[rec["step"]] = rec["eval_loss"]

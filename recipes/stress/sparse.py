@@ -233,8 +233,12 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
 
 # ---------------------------------------------------------------- spikes
 def read_losses(run_dir: Path) -> dict[int, float]:
+    from gnmr_hf.reporting.stored import open_text
+
     losses = {}
-    for line in open(run_dir / "metrics.jsonl"):
+    with open_text(run_dir / "metrics.jsonl") as f:
+        lines = f.readlines()
+    for line in lines:
         r = json.loads(line)
         if "loss" in r:
             losses[r["step"]] = r["loss"]
@@ -265,6 +269,8 @@ def spike_table(losses: dict[int, float], dense: dict[int, float] | None, update
 
 def summarise(run_dirs: list[str], h: int = 10) -> dict:
     """A small summary of several runs of one seed and setting (one of them ``dense``)."""
+    from gnmr_hf.reporting.stored import exists, open_text
+
     runs = {}
     for d in map(Path, run_dirs):
         # a run still going (no result.json yet): its folder name is the method, its losses so far count
@@ -275,8 +281,9 @@ def summarise(run_dirs: list[str], h: int = 10) -> dict:
     out = {}
     for method, (d, res) in runs.items():
         upd_file = d / "dst_updates.jsonl"
-        if upd_file.is_file():
-            updates = [json.loads(line)["step"] for line in open(upd_file)]
+        if exists(upd_file):
+            with open_text(upd_file) as f:
+                updates = [json.loads(line)["step"] for line in f]
         out[method] = {k: res.get(k) for k in ("final_eval_loss", "final_ppl", "density", "optimizer_state_bytes",
                                                  "recovered_unit_steps", "step_time_s")}
         out[method]["mean_active"] = res.get("policy_summary", {}).get("mean_active")
