@@ -307,5 +307,7 @@ def test_a_failing_recipe_prints_no_accelerate_traceback(tmp_path):
                              ["--model", str(tmp_path / "no_such_model")])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "model " in proc.stderr and "not found" in proc.stderr  # the recipe's own line
+    # the recipe's own line: the one model resolver names the folder and lists the offline aliases
+    assert "no_such_model" in proc.stderr and "not an offline alias" in proc.stderr
+    assert "smollm2-135m-instruct" in proc.stderr
     assert "CalledProcessError" not in proc.stderr and "Traceback" not in proc.stderr
