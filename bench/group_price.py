@@ -236,9 +236,18 @@ def run(args: argparse.Namespace) -> None:
 
         for alias in args.model:
             for route in args.routes:
-                subprocess.run([sys.executable, __file__, "run", "--model", alias, "--routes", route, "--out", str(out),
-                                "--profile-batches", str(args.profile_batches), "--heldout", str(args.heldout),
-                                "--threads", str(args.threads)], check=True)
+                for attempt in range(args.retries + 1):
+                    code = subprocess.run([sys.executable, __file__, "run", "--model", alias, "--routes", route,
+                                           "--out", str(out), "--profile-batches", str(args.profile_batches),
+                                           "--heldout", str(args.heldout), "--threads", str(args.threads)]).returncode
+                    if code == 0:
+                        break
+                    # -9: killed (the kernel's OOM killer on a shared machine): the results so far are kept, retry
+                    print(f"[group_price] {alias} {route}: exit {code} (attempt {attempt + 1}); "
+                          f"{'retrying in 120 s' if attempt < args.retries else 'giving up'}", flush=True)
+                    if code != -9 or attempt == args.retries:
+                        raise SystemExit(f"{alias} {route} failed (exit {code})")
+                    time.sleep(120)
         report(out)
         return
     for alias in args.model:
@@ -312,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--profile-batches", type=int, default=2)
     r.add_argument("--heldout", type=int, default=24, help="held-out 256-token blocks (batches of 4)")
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--retries", type=int, default=5, help="reruns of a model and route killed by the OOM killer")
     s = sub.add_parser("report", help="write summary.md / summary.json from the results")
     s.add_argument("--out", default="bench/results/group_price")
     args = p.parse_args(argv)
