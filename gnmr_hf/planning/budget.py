@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from gnmr_hf.planning.results import _fmt
+from gnmr_hf.planning.results import _fmt, _pct
 
 if TYPE_CHECKING:
     from gnmr_hf.planning.planner import PrecisionPlan
@@ -208,11 +208,6 @@ def planner_budget(scores: Sequence[float], sizes: Sequence[int], prices: Sequen
         # the greedy set is the same for every budget from its own size up to b: the next candidate is below it
         b = sum(sizes[i] for i in chosen) - 1
     return 0
-
-
-def _pct(fraction: float) -> str:
-    v = 100 * fraction
-    return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
 
 
 def format_price_table(plans: Sequence[PrecisionPlan], over_low: dict[str, Any] | None = None) -> str:

@@ -281,8 +281,6 @@ def grouped_ladder_units(units: Sequence[Any], groups: Sequence[ServingGroup]) -
 
         chosen = expand_rungs(choose_rungs(grouped_ladder_units(units, groups), budget), groups)
     """
-    from gnmr_hf.planning.ladder import LadderUnit
-
     by = {u.name: u for u in units}
     missing = [m for g in groups for m in g.members if m not in by]
     if missing or len(by) != sum(len(g.members) for g in groups):
@@ -293,7 +291,8 @@ def grouped_ladder_units(units: Sequence[Any], groups: Sequence[ServingGroup]) -
     for g in groups:
         us = [by[m] for m in g.members]
         rungs = list(us[0].gains)
-        out.append(LadderUnit(name=g.name, numel=sum(u.numel for u in us), rows=sum(u.rows for u in us),
+        # the units' own class (ladder.LadderUnit), so that this module imports nothing of the ladder's back
+        out.append(type(us[0])(name=g.name, numel=sum(u.numel for u in us), rows=sum(u.rows for u in us),
                               gains={r: sum(u.gains[r] for u in us) for r in rungs},
                               prices={r: sum(u.prices[r] for u in us) for r in rungs}))
     return out

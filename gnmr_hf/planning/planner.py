@@ -511,8 +511,8 @@ def format_grouping_table(free: Sequence[PrecisionPlan], grouped: Sequence[Preci
     row what the constraint cost: grouped minus free gap closed. ``free[i]`` and ``grouped[i]`` are plans of
     one profile at one budget; ``over_low`` (:func:`gnmr_hf.planning.budget.memory_budget`'s record) adds
     each plan's memory over the all-low model."""
-    from gnmr_hf.planning.budget import _pct
     from gnmr_hf.planning.groups import split_groups
+    from gnmr_hf.planning.results import _pct
 
     if len(free) != len(grouped):
         raise ValueError(f"{len(free)} free plan(s) against {len(grouped)} grouped: one of each per budget")

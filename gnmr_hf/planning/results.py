@@ -200,6 +200,12 @@ class SensitivityProfile:
             raise ValueError(f"{path}: {e}") from None
 
 
+def _pct(fraction: float) -> str:
+    """A fraction as a percentage for the price tables: whole when it is, else one decimal."""
+    v = 100 * fraction
+    return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
+
+
 def _fmt(v: Any, spec: str = ".4g") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # names for the hints only: the planner imports this module, never the other way round
     from gnmr_hf.planning.planner import PrecisionPlan
     from gnmr_hf.planning.results import SensitivityProfile
 
@@ -26,13 +26,12 @@ def skip_modules(chosen: PrecisionPlan | SensitivityProfile | Sequence[str], kee
         keep: modules to keep unquantised besides the plan's (default: the plan's ``keep_modules``, i.e.
             what transformers keeps when no list is given; ``[]`` for none).
     """
-    from gnmr_hf.planning.planner import PrecisionPlan  # the plan imports this module
     from gnmr_hf.planning.results import SensitivityProfile
 
-    if isinstance(chosen, PrecisionPlan):
-        modules, default_keep = list(chosen.modules), chosen.keep_modules
-    elif isinstance(chosen, SensitivityProfile):
+    if isinstance(chosen, SensitivityProfile):
         raise TypeError("skip_modules takes a plan: skip_modules(gnmr_hf.plan(profile, budget_fraction=0.1))")
+    elif hasattr(chosen, "modules") and hasattr(chosen, "keep_modules"):  # a PrecisionPlan (read by its fields,
+        modules, default_keep = list(chosen.modules), chosen.keep_modules  # so this module imports no planner)
     else:
         modules, default_keep = [str(m) for m in chosen], ["lm_head"]
     keep = list(default_keep if keep is None else keep)
