@@ -351,18 +351,16 @@ def parse_sets(items: list[str], precisions: list[str]) -> dict[str, list[str]]:
 def check_recipes(recipes: Path, precisions: list[str], run_dirs: dict[str, Path], data_dir: Path,
                   overrides: dict[str, list[str]]) -> None:
     """Load and validate every recipe with its overrides, as ``recipes/finetune.py`` will, so that a bad
-    ``--set`` ends the demo in one line (``DemoError``) before anything trains."""
-    import importlib.util
+    ``--set`` ends the demo in one line (``DemoError``) before anything trains. Both read recipes through
+    the one entry point, ``gnmr_hf.recipe.load_config`` + ``validate`` (the script re-exports them)."""
+    from gnmr_hf.recipe import RecipeError, load_config, validate
 
-    spec = importlib.util.spec_from_file_location("gnmr_demo_finetune", recipes / "finetune.py")
-    finetune = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(finetune)
     for p in precisions:
         argv = ["--config", str(recipes / "smollm2-135m" / f"{p}.yaml"), "--output_dir", str(run_dirs[p]),
                 "--data_dir", str(data_dir), *overrides[p]]
         try:
-            finetune.validate(finetune.load_config(argv))
-        except finetune.RecipeError as e:
+            validate(load_config(argv))
+        except RecipeError as e:
             raise DemoError(f"recipe {p}: {e}") from None
 
 

@@ -311,3 +311,19 @@ def test_a_failing_recipe_prints_no_accelerate_traceback(tmp_path):
     assert "no_such_model" in proc.stderr and "not an offline alias" in proc.stderr
     assert "smollm2-135m-instruct" in proc.stderr
     assert "CalledProcessError" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_demo_checks_recipes_through_the_package_not_the_script(tmp_path):
+    # one entry point: gnmr_hf.recipe's load_config + validate, which recipes/finetune.py re-exports; the demo's
+    # check no longer executes the script, so a recipes folder without it (or with a broken one) still checks
+    import shutil
+
+    recipes = tmp_path / "recipes"
+    shutil.copytree(demo.find_recipes() / "smollm2-135m", recipes / "smollm2-135m")
+    (recipes / "finetune.py").write_text("raise SystemExit('the demo executed the script')\n")
+    precisions = ["bf16", "nf4"]
+    dirs = {p: tmp_path / p for p in precisions}
+    demo.check_recipes(recipes, precisions, dirs, tmp_path / "data", demo.parse_sets([], precisions))
+    with pytest.raises(demo.DemoError, match=r"^recipe bf16: "):
+        demo.check_recipes(recipes, precisions, dirs, tmp_path / "data",
+                           demo.parse_sets(["bf16:profile.budget=5%"], precisions))
