@@ -216,7 +216,9 @@ def ladder_route(alias: str, out: Path, model_path: str, batches, held) -> None:
             "bf16_linears": sum(r == "bf16" for r in chosen.values()),
             "int8_linears": sum(r == "int8" for r in chosen.values()),
             "split_groups": len(split_groups(chosen, layout)),
-            "predicted_gap_closed": gain / gap_all if gap_all else None, "gap_closed": gaps, "loss": loss,
+            # rung_gains sums each batch's gain on its mean loss: per batch, over the batches (equal tokens here)
+            "predicted_gain": gain, "predicted_gap_closed": gain / len(batches) / gap_all if gap_all else None,
+            "gap_closed": gaps, "loss": loss,
             "rungs": dict(sorted(chosen.items())), "seconds": round(time.perf_counter() - t1, 1)})
         print(f"[group_price] {alias} ladder +{pct}% {kind}: {len(chosen)} linears, gap closed "
               f"{gaps['profile']:.3f} / {gaps['heldout']:.3f}", flush=True)
