@@ -740,6 +740,8 @@ def evaluate(
     if adapter is not None:
         _read_adapter_config(adapter)
     dtype_name = _compute_dtype(compute_dtype)
+    if data_dir is not None:  # a bad data folder fails before the model is resolved (an alias may convert a GGUF)
+        check_data_dir(data_dir, task_names, num_fewshot)
     model = resolve_model(model)  # an offline alias -> its checkpoint folder (the settings record the folder)
     precision = check_form(model, precision, skip_modules, plan)
     _check_skip_modules(precision, skip_modules)
