@@ -71,8 +71,9 @@ def int8_rungs(data: Any) -> list[str]:
     return sorted(n for n, r in rungs.items() if r == "int8") if isinstance(rungs, dict) else []
 
 
-LADDER_SERVING = ("no stock checkpoint mixes 4- and 8-bit linears: serve it with gnmr_hf.load_planned(model_path, "
-                  "profile.json), or merge the adapter into the BF16 base")
+LADDER_SERVING = ("no bitsandbytes checkpoint mixes 4- and 8-bit linears: export it as compressed-tensors "
+                  "(gnmr-hf export --format compressed-tensors: INT4 / INT8 / BF16 per linear), serve it with "
+                  "gnmr_hf.load_planned(model_path, profile.json), or merge the adapter into the BF16 base (--merge)")
 
 
 def check_rungs(rungs: dict[str, str]) -> None:
