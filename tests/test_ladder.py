@@ -258,3 +258,30 @@ def test_ladder_table_on_a_tiny_model(tiny_llama_dir, ids):
     text = ladder.format_ladder_table(table)
     assert text.splitlines()[0].startswith("| memory over NF4 | rungs |") and "-0.0000" not in text
     assert len(text.splitlines()) == 2 + 6
+
+
+def test_rung_gains_form_logits_only_at_target_positions(tiny_llama_dir, ids, monkeypatch):
+    # the ladder's profile takes the loss as the recipe's profile does (passes._loss): the head's logits are formed
+    # in chunks at the positions with a target, never as the batch's full [batch, seq, vocab] logits
+    from gnmr_hf.planning import passes
+
+    model = _stock(tiny_llama_dir)
+    labels = ids.clone()
+    labels[:, : ids.shape[1] // 2] = -100  # targets on the second half only
+    batch = {"input_ids": ids, "labels": labels}
+    seen, chunked = [], passes.chunked_causal_lm_loss
+
+    def spy(hidden, labels, head, *a, **k):
+        seen.append(tuple(hidden.shape))
+        return chunked(hidden, labels, head, *a, **k)
+
+    monkeypatch.setattr(passes, "chunked_causal_lm_loss", spy)
+    calls = []
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: calls.append(1) or pytest.fail("full forward"))
+    units = ladder.rung_gains(model, tiny_llama_dir, [batch])
+    assert seen == [(ids.shape[0], ids.shape[1], model.config.hidden_size)] and calls == []
+    assert all(u.gains["bf16"] == u.gains["bf16"] for u in units) and any(u.gains["bf16"] != 0 for u in units)
+    monkeypatch.undo()
+    # and the loss it differentiates is the model's own
+    with torch.no_grad():
+        assert float(passes._loss(model, batch)) == pytest.approx(float(model(**batch).loss), rel=1e-5)

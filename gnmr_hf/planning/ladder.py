@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear, int8_rungs  # noqa: F401
+from gnmr_hf.planning.passes import _loss as _batch_loss
 
 
 @dataclass
@@ -128,8 +129,12 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
         with torch.enable_grad():
             for b in batches:
                 b = dict(b)
-                out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
-                out.loss.backward()
+                # the loss without the batch's full-vocabulary logits (the profile's own, passes._loss): the
+                # hooks sit on the decoder linears, which the decoder-only forward runs all the same
+                batch = {"input_ids": b["input_ids"], "labels": b["labels"]}
+                if b.get("attention_mask") is not None:
+                    batch["attention_mask"] = b["attention_mask"]
+                _batch_loss(model, batch).backward()
     finally:
         for h in handles:
             h.remove()
