@@ -176,11 +176,16 @@ out = {}
 for mode in ("chunked", "model"):
     passes._trim_heap()
     before = passes._rss()
-    loss = model(**b).loss if mode == "model" else passes._loss(model, b)
+    if mode == "model":
+        loss = model(**b).loss
+    else:  # the chunked loss itself (whether passes._loss takes it for a model is tested in the fast tests)
+        hidden = model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)[0]
+        loss = passes.chunked_causal_lm_loss(hidden, b["labels"], model.lm_head)
     loss.backward()
     out[mode] = {"growth": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, "loss": float(loss)}
     del loss
     model.zero_grad(set_to_none=True)
+out["head_parts"] = passes._head_parts(model) is not None
 print(json.dumps(out))
 """
 

@@ -124,7 +124,7 @@ def test_smollm2_budget_is_a_quarter_of_its_layers_rounded_half_up(ft, smollm2_d
         (["--gnmr.storage", "gpu"], "gnmr.storage must be host, device or disk, got 'gpu'"),
         (["--gnmr.window", "0"], "gnmr: GNMRConfig.window must be an integer >= 1, got 0"),
         (["--max_seq_len", "0"], "max_seq_len must be >= 1, got 0"),
-        pytest.param(["--model", "/nonexistent/model-folder"], "model '/nonexistent/model-folder' not found",
+        pytest.param(["--model", "/nonexistent/model-folder"], "model '/nonexistent/model-folder': no such folder",
                      marks=pytest.mark.slow),  # run() starts TrainingArguments' device setup first
         (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml not found"),
     ],
