@@ -52,7 +52,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export_folder import ExportError, OutputFolderError, check_output, staged_output
+from gnmr_hf.export_folder import (
+    ExportError,
+    OutputFolderError,
+    check_model_folder,
+    check_output,
+    staged_output,
+)
 
 QUANTS = ("nf4", "fp4", "int8")
 TARGETS = ("vllm", "transformers")  # which server's module names the skip list is written for
@@ -184,18 +190,6 @@ def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[l
     return skips, data
 
 
-def _check_model_folder(model_path: Path) -> dict[str, Any]:
-    if not (model_path / "config.json").is_file():
-        raise ExportError(f"{model_path} is not a model folder (no config.json)")
-    if not list(model_path.glob("*.safetensors")):
-        raise ExportError(f"{model_path} holds no .safetensors weights (the BF16 checkpoint is needed)")
-    config = json.loads((model_path / "config.json").read_text())
-    if config.get("quantization_config"):
-        raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
-                          "export from the original BF16 checkpoint")
-    return config
-
-
 def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLike, out_dir: str | os.PathLike,
                    quant: str = "nf4", adapter: str | os.PathLike | None = None, merge: bool = False,
                    force: bool = False, double_quant: bool = False, model_name: str | None = None,
@@ -226,7 +220,7 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
     if target not in TARGETS:
         raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
     model_path, out_dir = Path(model_path), Path(out_dir)
-    _check_model_folder(model_path)
+    check_model_folder(model_path)
     skips, profile = _read_plan(profile_json, ladder=merge)
     if merge and adapter is None:
         raise ExportError("--merge folds an adapter into the BF16 weights: give --adapter DIR")

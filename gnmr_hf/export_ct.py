@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export_folder import ExportError
+from gnmr_hf.export_folder import ExportError, check_model_folder
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
@@ -244,18 +244,6 @@ def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, s
     return rungs, data, path
 
 
-def _check_model_folder(model_path: Path) -> dict[str, Any]:
-    if not (model_path / "config.json").is_file():
-        raise ExportError(f"{model_path} is not a model folder (no config.json)")
-    if not list(model_path.glob("*.safetensors")):
-        raise ExportError(f"{model_path} holds no .safetensors weights (the BF16 checkpoint is needed)")
-    config = json.loads((model_path / "config.json").read_text())
-    if config.get("quantization_config"):
-        raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
-                          "export from the original BF16 checkpoint")
-    return config
-
-
 def _largest_group(in_features: list[int], upto: int) -> int | None:
     g = 1 << (max(upto, 1).bit_length() - 1)
     while g >= 16:
@@ -384,7 +372,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise ExportError(f"group_size must be an integer, got {group_size!r}")
     model_path = Path(model_path)
-    _check_model_folder(model_path)
+    check_model_folder(model_path)
     rungs, data, plan_path = read_rungs(plan)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")

@@ -40,6 +40,20 @@ class ExportError(ValueError):
     other at the top (``gnmr_hf.export`` re-exports it)."""
 
 
+def check_model_folder(model_path: Path) -> dict[str, Any]:
+    """The source of an export: a BF16 checkpoint folder (config.json, .safetensors weights, not quantised);
+    its config. One ``ExportError`` line otherwise."""
+    if not (model_path / "config.json").is_file():
+        raise ExportError(f"{model_path} is not a model folder (no config.json)")
+    if not list(model_path.glob("*.safetensors")):
+        raise ExportError(f"{model_path} holds no .safetensors weights (the BF16 checkpoint is needed)")
+    config = json.loads((model_path / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
+                          "export from the original BF16 checkpoint")
+    return config
+
+
 class OutputFolderError(ValueError):
     """An output folder an export may not write or replace (one line)."""
 
