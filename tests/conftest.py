@@ -72,3 +72,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smollm2_dir" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def kept_figures(monkeypatch):
+    """Figures the plot functions save stay open (their close is a no-op) so the test can inspect them; each call
+    of the returned function gives the figures drawn since the last call."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda *a, **k: None)
+    before = set(plt.get_fignums())
+
+    def new():
+        figs = [plt.figure(n) for n in plt.get_fignums() if n not in before]
+        before.update(plt.get_fignums())
+        return figs
+
+    yield new
+    real_close("all")

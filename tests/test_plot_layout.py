@@ -24,22 +24,6 @@ RESULTS = ROOT / "bench" / "results"
 DEMO_TITLE = "SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems (BF16 vs INT8)"  # gnmr_hf/demo.py
 
 
-@pytest.fixture
-def kept_figures(monkeypatch):
-    """Figures the plot functions save stay open (their close is a no-op) so the test can inspect them."""
-    real_close = plt.close
-    monkeypatch.setattr(plt, "close", lambda *a, **k: None)
-    before = set(plt.get_fignums())
-
-    def new():
-        figs = [plt.figure(n) for n in plt.get_fignums() if n not in before]
-        before.update(plt.get_fignums())
-        return figs
-
-    yield new
-    real_close("all")
-
-
 def _fits(figs):
     assert figs, "the plot function drew no figure"
     for fig in figs:

@@ -16,7 +16,6 @@ import pytest
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 from gnmr_hf import planning  # noqa: E402
 from gnmr_hf.reporting import plots  # noqa: E402
@@ -24,22 +23,6 @@ from gnmr_hf.reporting.profile_plot import plot_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD_LABEL = "extra BF16 bytes, % of the quantised weights' BF16 bytes"
-
-
-@pytest.fixture
-def kept_figures(monkeypatch):
-    """Figures the plot function saves stay open (save_figure's close is a no-op) so the test can read them."""
-    real_close = plt.close
-    monkeypatch.setattr(plt, "close", lambda *a, **k: None)
-    before = set(plt.get_fignums())
-
-    def new():
-        figs = [plt.figure(n) for n in plt.get_fignums() if n not in before]
-        before.update(plt.get_fignums())
-        return figs
-
-    yield new
-    real_close("all")
 
 
 def _price_axis(fig):
