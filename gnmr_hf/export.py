@@ -57,6 +57,7 @@ from gnmr_hf.export_folder import (
     OutputFolderError,
     check_model_folder,
     check_output,
+    plan_file,
     staged_output,
 )
 
@@ -162,11 +163,7 @@ LADDER_BNB = ("bitsandbytes' format holds one low precision per checkpoint (no s
 def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[list[str], dict[str, Any]]:
     """``(skip_modules, data)`` of a BF16-only plan; with ``ladder`` (``--merge``, which only needs the plan's
     names checked against the model) a ladder plan's ``rungs`` names too."""
-    path = Path(profile_json)
-    if path.is_dir():
-        path = path / "profile.json"
-    if not path.is_file():
-        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
+    path = plan_file(profile_json)
     from gnmr_hf.planning import SensitivityProfile
     from gnmr_hf.planning.ladder import int8_rungs
 

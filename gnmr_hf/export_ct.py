@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export_folder import ExportError, check_model_folder
+from gnmr_hf.export_folder import ExportError, check_model_folder, plan_file
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
@@ -219,11 +219,7 @@ def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, s
     if isinstance(plan, Mapping):
         data, path, rungs = {}, None, dict(plan)
     else:
-        path = Path(plan)
-        if path.is_dir():
-            path = path / "profile.json"
-        if not path.is_file():
-            raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
+        path = plan_file(plan)
         try:
             data = json.loads(path.read_text())
         except ValueError as e:

@@ -40,6 +40,17 @@ class ExportError(ValueError):
     other at the top (``gnmr_hf.export`` re-exports it)."""
 
 
+def plan_file(plan: str | os.PathLike) -> Path:
+    """A plan given to an export: a ``profile.json``, or the folder holding one; one ``ExportError`` line when
+    there is none."""
+    path = Path(plan)
+    if path.is_dir():
+        path = path / "profile.json"
+    if not path.is_file():
+        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
+    return path
+
+
 def check_model_folder(model_path: Path) -> dict[str, Any]:
     """The source of an export: a BF16 checkpoint folder (config.json, .safetensors weights, not quantised);
     its config. One ``ExportError`` line otherwise."""
