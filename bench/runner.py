@@ -1,4 +1,4 @@
-"""The one run loop of the resumable benches (bench/nf4_bench.py, bench/qlora_budget.py).
+"""The one run loop of the resumable benches (bench/value/nf4_bench.py, bench/value/qlora_budget.py).
 
 A bench describes its plan as a list of :class:`Job` (a key, a run folder, the command that fills it, the
 file whose existence means "done", and the keys it waits for); :func:`run_plan` runs them:

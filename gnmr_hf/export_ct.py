@@ -27,7 +27,7 @@ weight, tests/test_export_ct.py), the low path to profile a plan meant for this 
 :func:`fake_quantize_model` applies the whole plan to a model in place (the reference the tests compare the stock
 load against). :func:`ct_rung_gains` profiles a ladder against that low path (the gradient at the uniform W4A16
 model, each rung's first-order gain, its price in the folder's bytes: :func:`ct_rung_prices`), for
-``choose_rungs`` with the serving groups (bench/serve_bench.py plans and measures it).
+``choose_rungs`` with the serving groups (bench/value/serve_bench.py plans and measures it).
 
 From the command line: ``gnmr-hf export --format compressed-tensors --group-size N`` (gnmr_hf/export.py).
 

@@ -6,7 +6,7 @@ BF16 where the machine has BF16 arithmetic units, FP32 elsewhere:
   without counting emulation where torch can tell);
 - a Linux CPU whose ``/proc/cpuinfo`` flags list ``amx_bf16`` (AMX tiles, e.g. Sapphire Rapids) or
   ``avx512_bf16`` (AVX512-BF16, e.g. Cooper Lake, Zen 4): oneDNN's BF16 matmuls use them
-  (``bench/matmul_dtype.py``: ~8x faster than FP32 at one thread on an AMX machine);
+  (``bench/cost/matmul_dtype.py``: ~8x faster than FP32 at one thread on an AMX machine);
 - anything else, FP32: a CPU without those flags emulates BF16 products and is several times slower
   than in FP32, and where the flags cannot be read (not Linux) nothing is guessed.
 

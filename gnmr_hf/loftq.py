@@ -1,6 +1,6 @@
 """LoftQ initialisation of a QLoRA adapter, on any device: PEFT's own code with one line changed.
 
-Used by the recipes' ``lora_init: loftq`` (recipes/finetune.py) and bench/qlora_budget.py's ``loftq``
+Used by the recipes' ``lora_init: loftq`` (recipes/finetune.py) and bench/value/qlora_budget.py's ``loftq``
 methods; :func:`replace_lora_weights_loftq` is the entry point.
 
 PEFT 0.21's ``replace_lora_weights_loftq`` (``peft.utils.loftq_utils``) initialises each LoRA pair of a

@@ -79,7 +79,7 @@ from gnmr_hf.recipe import (  # noqa: F401  (re-exported: the tests and the benc
 )
 
 # ----------------------------------------------------------------------------------------------
-# building blocks (importable: the tests and bench/gpu_13b_shape.py use them)
+# building blocks (importable: the tests and bench/gpu/gpu_13b_shape.py use them)
 
 
 def resolve_model_path(name: str) -> str:
@@ -211,7 +211,7 @@ def load_model(recipe: Recipe, model_path: str):
     """The base model for ``recipe.script.precision`` with LoRA applied (a ``peft.PeftModel``).
 
     ``recipe.script.compute_dtype`` is the dtype the model is loaded and computed in: the unquantised
-    weights, the 4-bit compute dtype and the recovery weights (bench/nf4_bench.py uses FP32 on CPUs
+    weights, the 4-bit compute dtype and the recovery weights (bench/value/nf4_bench.py uses FP32 on CPUs
     without BF16 matrix instructions).
     """
     import peft
@@ -551,7 +551,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
 
     Args:
         recipe: the configuration from :func:`load_config`.
-        extra_callbacks: more ``TrainerCallback`` objects (bench/gpu_13b_shape.py times steps with one).
+        extra_callbacks: more ``TrainerCallback`` objects (bench/gpu/gpu_13b_shape.py times steps with one).
     """
     import torch
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed

@@ -54,12 +54,15 @@ def smollm2_dir():
 
 
 def load_bench(name: str):
-    """The benchmark script ``bench/{name}.py`` as a module (bench/ is scripts, not a package)."""
+    """The benchmark script ``bench/{name}.py`` or ``bench/<question>/{name}.py`` as a module (bench/ is scripts,
+    not a package; the shared run loop is ``bench/runner.py``, the scripts sit in one sub-folder per question)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    [path] = [p for p in (bench / f"{name}.py", *bench.glob(f"*/{name}.py")) if p.is_file() and p.parent.name != "results"]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # as an import would (dataclasses look their module up there)
     spec.loader.exec_module(module)

@@ -225,6 +225,6 @@ def test_the_bench_scripts_take_every_alias(fake_cache, alias, script, call, ste
 def test_every_bench_script_with_a_model_argument_resolves_it():
     """The scripts above are checked by behaviour; any other bench script taking ``--model`` must at least go
     through the resolver (``resolve_model``, or the recipe's ``resolve_model_path``)."""
-    with_model = {p.stem: p.read_text() for p in (ROOT / "bench").glob("*.py") if 'add_argument("--model"' in p.read_text()}
+    with_model = {p.stem: p.read_text() for p in (ROOT / "bench").glob("*/*.py") if 'add_argument("--model"' in p.read_text()}
     assert {c[0] for c in _bench_cases()} <= set(with_model)
     assert [name for name, text in with_model.items() if "resolve_model" not in text] == []

@@ -291,11 +291,11 @@ def test_commands_are_read_as_a_shell_would():
     ("accelerate launch --config_file recipes/accelerate/cpu.yaml recipes/finetune.py --config "
      "recipes/smollm2-135m/gnmr.yaml --gnmr.max_activ 4", "'gnmr.max_activ' (did you mean 'gnmr.max_active'?)"),
     ("accelerate launch --config_file recipes/accelerate/tpu.yaml recipes/finetune.py", "no such accelerate config"),
-    ("python bench/qlora_budget.py plan --out x --method bf16", "unknown flag(s) --method"),
-    ("python bench/qlora_budget.py plot --out x", "invalid choice: 'plot'"),
+    ("python bench/value/qlora_budget.py plan --out x --method bf16", "unknown flag(s) --method"),
+    ("python bench/value/qlora_budget.py plot --out x", "invalid choice: 'plot'"),
     ("python bench/no_such_bench.py --out x", "no such script bench/no_such_bench.py"),
     ("make tests", "no make target tests"),
-    ("nohup python bench/overhead.py --round 2", "unknown flag(s) --round"),
+    ("nohup python bench/cost/overhead.py --round 2", "unknown flag(s) --round"),
     ("python -m gnmr_hf.offline.no_such_module x", "no module gnmr_hf.offline.no_such_module"),
 ])
 def test_the_checker_catches_a_bad_command(command, why):
@@ -307,9 +307,9 @@ def test_the_checker_catches_a_bad_command(command, why):
     "gnmr-hf profile --model gemma3-270m --budget +10%nf4 --output prof",
     "gnmr-hf demo --help",
     "python recipes/finetune.py --config recipes/gemma3-270m/planned-ladder-nf4.yaml --profile.budget +5%nf4",
-    "python bench/qlora_budget.py plan --out x --methods bf16,nf4 --seeds 0,1,2 --oracle-every 0",
+    "python bench/value/qlora_budget.py plan --out x --methods bf16,nf4 --seeds 0,1,2 --oracle-every 0",
     "make test", "make demo DEMO_ARGS='--low nf4'",
-    "nice python bench/overhead.py --rounds 2 --steps 3 --components",
+    "nice python bench/cost/overhead.py --rounds 2 --steps 3 --components",
 ])
 def test_the_checker_accepts_a_good_command(command):
     assert check_command(shlex.split(command)) is None

@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh: the GPU readiness check, run here as its CPU dry run (every stage at its smallest size)."""
+"""bench/gpu/gpu_check.sh: the GPU readiness check, run here as its CPU dry run (every stage at its smallest size)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_stage_timeout_ends_the_whole_process_group(tmp_path):
 
 
 def test_switch_output_parsing_keeps_every_column():
-    # the layout bench/switch.py prints on CUDA (the dry run below checks the CPU layout from the real script)
+    # the layout bench/cost/switch.py prints on CUDA (the dry run below checks the CPU layout from the real script)
     text = ("storage  prepare s promote ms min/med ready ms min/med demote ms min/med layer MiB peak rec MiB"
             " dev alloc +MiB\n"
             "host          1.25        0.50 / 0.61      2.00 / 2.50       0.10 / 0.12      9.00         9.00"
@@ -81,7 +81,7 @@ def test_switch_output_parsing_keeps_every_column():
 
 @pytest.mark.slow
 def test_without_gpu_and_without_dry_run_it_says_so(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--out", str(tmp_path)],
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "gpu_check.sh"), "--out", str(tmp_path)],
                           capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
     assert not (tmp_path / "gpu_check.json").exists()
@@ -93,7 +93,7 @@ def test_without_gpu_and_without_dry_run_it_says_so(tmp_path):
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     report = json.loads((out / "gpu_check.json").read_text())
     return proc, report, (out / "gpu_check.md").read_text(), out

@@ -1,4 +1,4 @@
-"""bench/late_profile.py: the rank statistics (hand-worked), and the whole script on SmolLM2 after a 2-step
+"""bench/value/late_profile.py: the rank statistics (hand-worked), and the whole script on SmolLM2 after a 2-step
 QLoRA run (slow)."""
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ def test_ranks_and_spearman_by_hand():
 @pytest.mark.slow
 def test_late_profile_on_a_trained_smollm2_adapter(tmp_path, smollm2_dir):
     root = tmp_path / "bench"
-    env_cmd = [sys.executable, str(ROOT / "bench" / "qlora_budget.py")]
+    env_cmd = [sys.executable, str(ROOT / "bench" / "value" / "qlora_budget.py")]
     subprocess.run([*env_cmd, "profile", "--out", str(root), "--batches", "1"], check=True, capture_output=True)
     subprocess.run([*env_cmd, "run", "--method", "nf4", "--seed", "0", "--steps", "2", "--eval-problems", "4",
                     "--out", str(root / "nf4" / "seed0"), "--save-adapter", str(root / "adapter")],
                    check=True, capture_output=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "late_profile.py"), "--root", str(root), "--adapter",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "value" / "late_profile.py"), "--root", str(root), "--adapter",
                            str(root / "adapter"), "--out", str(tmp_path / "late"), "--batches", "1",
                            "--eval-problems", "4", "--write-profile"], check=True, capture_output=True, text=True)
     record = json.loads((tmp_path / "late" / "late_profile.json").read_text())

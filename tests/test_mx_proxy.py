@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes" / "stress"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "stress"))
 
 import mx_proxy  # noqa: E402
 import mx_report  # noqa: E402

@@ -1,4 +1,4 @@
-"""bench/nf4_bench.py: the recovery-gap probe against stock models, the held-out loss, the plan and the report."""
+"""bench/value/nf4_bench.py: the recovery-gap probe against stock models, the held-out loss, the plan and the report."""
 
 from __future__ import annotations
 

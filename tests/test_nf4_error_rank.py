@@ -1,4 +1,4 @@
-"""bench/nf4_error_rank.py: the share of a linear's NF4 error energy in its top singular directions."""
+"""bench/value/nf4_error_rank.py: the share of a linear's NF4 error energy in its top singular directions."""
 
 from __future__ import annotations
 

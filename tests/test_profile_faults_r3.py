@@ -222,7 +222,7 @@ def test_profiles_written_by_earlier_code_still_load():
     d.pop("format")
     d["meta"] = {}  # no batch_tokens, no batch_digests
     assert SensitivityProfile.from_dict(d).total_bytes == 400
-    # profiles written by earlier gnmr_hf (bench/qlora_budget.py's own profile.json is another format)
+    # profiles written by earlier gnmr_hf (bench/value/qlora_budget.py's own profile.json is another format)
     for name in ("profile_criteria/profile.json", "profile_criteria/recipe_profile_1_batch.json",
                  "profile_criteria/recipe_profile_2_batches.json", "qlora_budget/profile_full.json"):
         prof = SensitivityProfile.from_json(ROOT / "bench" / "results" / name)

@@ -1,4 +1,4 @@
-"""bench/qlora_budget.py: method sets, equal-bytes accounting, plan order, resume and report arithmetic,
+"""bench/value/qlora_budget.py: method sets, equal-bytes accounting, plan order, resume and report arithmetic,
 on fake runs with values worked out by hand."""
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def test_a_run_builds_and_trains_from_a_fresh_interpreter(smollm2_dir, tmp_path)
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "qlora_budget.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / "value" / "qlora_budget.py"
     run_dir = tmp_path / "nf4" / "seed0"
     proc = subprocess.run([sys.executable, str(script), "run", "--method", "nf4", "--seed", "0", "--out", str(run_dir),
                            "--steps", "1", "--eval-problems", "2"], capture_output=True, text=True, cwd=tmp_path,

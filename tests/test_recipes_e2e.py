@@ -1,6 +1,6 @@
 """End-to-end recipe runs through ``accelerate launch`` on the real SmolLM2-135M-Instruct (CPU): the five
 precisions on one process, gnmr and gnmr-nf4 as two-process gloo DDP, the demo with --low nf4, and the
-dry run of bench/gpu_13b_shape.py.
+dry run of bench/gpu/gpu_13b_shape.py.
 
 Runs are shortened with overrides (3 steps, 16 problems, batch 2, 64 tokens) and compute in float32
 (``--compute_dtype float32``: several times faster than BF16 on CPUs without BF16 matrix units); one run,
@@ -228,7 +228,7 @@ def test_two_process_cpu_ddp(precision, tmp_path):
 
 @pytest.mark.slow
 def test_bench_13b_shape_dry_run(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_13b_shape.py"), "--dry-run", "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "gpu_13b_shape.py"), "--dry-run", "--json",
                            str(tmp_path / "b.json")], capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((tmp_path / "b.json").read_text())
@@ -247,7 +247,7 @@ def test_bench_13b_shape_without_gpu_says_so():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_13b_shape.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "gpu_13b_shape.py")], capture_output=True,
                           text=True, env=_env(), timeout=300)
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
 

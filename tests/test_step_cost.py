@@ -1,4 +1,4 @@
-"""bench/step_cost.py in its short mode (a tiny random LLaMA, the four recipes, a few interleaved steps): the
+"""bench/cost/step_cost.py in its short mode (a tiny random LLaMA, the four recipes, a few interleaved steps): the
 cell's record has every method's step times and peaks, the profiles' figures, and the report prints them. No
 timing is asserted: the figures live in the bench's output and docs/reference.md."""
 
@@ -17,7 +17,7 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "step_cost.py"
+BENCH = ROOT / "bench" / "cost" / "step_cost.py"
 
 
 def _run(*args, timeout=1500):

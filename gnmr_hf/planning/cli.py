@@ -414,7 +414,7 @@ def _run(args: argparse.Namespace) -> int:
         print(format_ladder_table(ladder_rows))
         if args.groups:
             print("(the ladder's rows are free plans; a grouped ladder: choose_rungs(..., groups=serving_groups(model)) "
-                  "or a recipe's profile.rungs with profile.groups: vllm; bench/group_price.py measures both)")
+                  "or a recipe's profile.rungs with profile.groups: vllm; bench/value/group_price.py measures both)")
     print()
     print(main_plan.summary())
     skips = main_plan.skip_modules()

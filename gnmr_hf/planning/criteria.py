@@ -231,7 +231,7 @@ CRITERIA: dict[str, tuple[str, ...]] = {name: scores for name, (_, scores) in RE
 _RUNNERS = {name: fn for name, (fn, _) in REGISTRY.items()}
 SCORE_NAMES = tuple(s for names in CRITERIA.values() for s in names)
 GAIN_SCORES = ("loss", "first_order")  # scores in loss units: their sum over a set is a predicted gain
-# the cheapest criterion that chose as well as "loss" on SmolLM2 NF4 (bench/profile_criteria.py, docs/profile.md)
+# the cheapest criterion that chose as well as "loss" on SmolLM2 NF4 (bench/value/profile_criteria.py, docs/profile.md)
 DEFAULT_CRITERION = "first_order"
 
 

@@ -67,7 +67,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 METHODS = ("bf16", "fixed8", "fixed4", "fixed", "gnmr", "adapt", "gsnr", "random")
 # methods that need a setting from another run: random_budget draws baselines.random_mean_active units per step
-# on average (GNMR's measured mean, bench/gpu_paper.sh); not in METHODS, which the bench runs one after the other
+# on average (GNMR's measured mean, bench/gpu/gpu_paper.sh); not in METHODS, which the bench runs one after the other
 BUDGET_METHODS = ("random_budget",)
 # short names for the MX element formats of --low
 MX_ALIASES = {"mxfp4": "mxfp4_e2m1", "mxfp6": "mxfp6_e2m3", "mxfp8": "mxfp8_e4m3"}
@@ -511,7 +511,7 @@ def run(cfg: dict, method: str, output_dir: str | os.PathLike, resume: bool = Fa
     wall = time.perf_counter() - t0
     final = trainer.evaluate()
     if tr.get("save_final", True):
-        trainer.save_model(str(out / "final"))  # for diagnostics (bench/stress_grad_error.py)
+        trainer.save_model(str(out / "final"))  # for diagnostics (bench/stress/stress_grad_error.py)
     final_loss = float(final["eval_loss"])
     times = metrics.step_times[1:] or metrics.step_times  # the first step includes warm-up costs
     result = {

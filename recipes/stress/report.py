@@ -11,7 +11,7 @@ reads ``<run>/result.json`` and ``<run>/metrics.jsonl`` of every run folder unde
 
 and draws the validation loss per method against the optimizer step (PNG).
 
-With ``--seeds`` (several seeds per method, e.g. the MX bench of ``bench/mx_llama_bench.sh``) it prints
+With ``--seeds`` (several seeds per method, e.g. the MX bench of ``bench/stress/mx_llama_bench.sh``) it prints
 one row per method instead: runs with spikes, divergences, final validation loss (median [min, max]),
 its difference from BF16's on the same seed (median [min, max]; same initial weights and data order), promotion ratio, hit-maxO rate, exceedance rates and wall time (medians over seeds), and plots the
 median validation curve per method with its min-max band. A spike is a maximal run of steps whose
