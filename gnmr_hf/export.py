@@ -171,6 +171,10 @@ def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[l
         data = json.loads(path.read_text())
     except ValueError:
         data = None  # SensitivityProfile.from_json says what is wrong with it, in one line
+    if isinstance(data, dict) and data.get("low") == "int4":
+        from gnmr_hf.export_ct import INT4_PROFILE
+
+        raise ExportError(f"{path} was {INT4_PROFILE}")
     int8 = int8_rungs(data)
     if int8 and ladder:
         return sorted(data["rungs"]), data
@@ -509,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                    "W4A16 / W8A16 / BF16 per linear (the ladder), stock from_pretrained and vLLM (the serve extra)")
     p.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes: the low precision (default nf4)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="compressed-tensors: the INT4 group size (default 128, vLLM's W4A16 preset; it must divide "
+                   help="compressed-tensors: the INT4 group size (default: an int4 profile's own, else 128, vLLM's "
+                   "W4A16 preset; another than an int4 profile's is refused; it must divide "
                    "every INT4 linear's input size, e.g. 64 for SmolLM2's 576)")
     p.add_argument("--target", default="vllm", choices=TARGETS,
                    help="vllm (default): a folder vLLM and transformers load (a plan that splits a fused q/k/v or "
@@ -537,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             s = export_compressed_tensors(resolve_model(args.model), args.plan, args.output, adapter=args.adapter,
-                                          group_size=128 if args.group_size is None else args.group_size,
+                                          group_size=args.group_size,
                                           force=args.force, target=args.target)
         except (ExportError, OutputFolderError, FileNotFoundError, ImportError) as e:
             return fail(str(e))

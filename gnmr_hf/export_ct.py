@@ -52,6 +52,8 @@ TARGETS = ("vllm", "transformers")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 SERVE_EXTRA = "the compressed-tensors export needs the serve extra: pip install 'gnmr_hf[serve]' (compressed-tensors)"
+#: what the bitsandbytes export and load_planned say of a plan from ``gnmr-hf profile --low int4`` (``low: "int4"``)
+INT4_PROFILE = "profiled against the compressed-tensors INT4 export: export it with --format compressed-tensors"
 
 
 def _require_compressed_tensors():
@@ -337,7 +339,7 @@ def _safetensors_bytes(folder: Path) -> int:
 
 def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.PathLike | Mapping[str, str],
                               out_dir: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                              group_size: int = 128, force: bool = False, target: str = "vllm",
+                              group_size: int | None = None, force: bool = False, target: str = "vllm",
                               measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``model_path`` (with ``adapter`` merged) as a compressed-tensors folder at the plan's rungs.
 
@@ -347,7 +349,9 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
             BF16 plan's ``skip_modules``); every other decoder linear goes to W4A16.
         out_dir: the folder to write (the --force contract of :mod:`gnmr_hf.export_folder`).
         adapter: a PEFT LoRA folder merged into the BF16 weights first (post-training quantisation without).
-        group_size: the W4A16 group (128: vLLM's preset); it must divide every low linear's input size.
+        group_size: the W4A16 group; it must divide every low linear's input size. None (the default): the
+            plan's own for a plan profiled against this export's INT4 (``gnmr-hf profile --low int4`` records
+            ``group_size``; another explicit size is refused), else 128 (vLLM's preset).
         force: replace an earlier export at ``out_dir``.
         target: ``"vllm"`` (refuses a plan that splits a fused group) or ``"transformers"`` (allows it).
         measured: figures for the model card (e.g. ``{"held-out loss": 2.31}``), measured by the caller.
@@ -365,11 +369,12 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
 
     if target not in TARGETS:
         raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
         raise ExportError(f"group_size must be an integer, got {group_size!r}")
     model_path = Path(model_path)
     check_model_folder(model_path)
     rungs, data, plan_path = read_rungs(plan)
+    group_size, profiled = _profiled_against(data, plan_path, group_size, model_path)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     protect = [("model folder", model_path, True)]
@@ -387,7 +392,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
                "tensor_bytes": ct_tensor_bytes(shapes, rungs, other, group_size),
                "w4a16_tensor_bytes": ct_tensor_bytes(shapes, {}, other, group_size),
                "bf16_tensor_bytes": ct_tensor_bytes(shapes, dict.fromkeys(shapes, "bf16"), other, group_size),
-               "measured": dict(measured or {}), "plan": data.get("plan")}
+               "measured": dict(measured or {}), "plan": data.get("plan"), "profiled_against": profiled}
     marker = {"format": "compressed-tensors", "model": str(model_path), "plan": str(plan_path) if plan_path else None,
               "adapter": summary["adapter"]}
     with staged_output(out, marker) as tmp:
@@ -404,6 +409,41 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         (tmp / "README.md").write_text(model_card(summary, model_path))
     summary["bytes_on_disk"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return summary
+
+
+def _profiled_against(data: Mapping[str, Any], plan_path: Path | None, group_size: int | None,
+                      model_path: Path) -> tuple[int, str]:
+    """The group size to export with and, for the model card, which quantiser the plan was profiled against.
+
+    A plan from ``gnmr-hf profile --low int4`` (``low: "int4"``) carries its ``group_size`` (the gains it ranked
+    are this export's at that group: another explicit size is refused) and the ``model_identity`` of the model
+    it was profiled on (another model is refused). Any other plan (NF4 / FP4 / INT8 profiles, a trained ladder's
+    plan, a mapping) is accepted at ``group_size`` (default 128)."""
+    low = data.get("low") if isinstance(data.get("low"), str) else None
+    if low != "int4":
+        if plan_path is None:
+            return group_size or 128, "not recorded (the rungs were given as a mapping)"
+        if low:
+            return group_size or 128, (f"bitsandbytes {low.upper()} (`gnmr-hf profile --low {low}`): its gains rank "
+                                       "that quantiser's errors, not this folder's INT4; `gnmr-hf profile --low int4` "
+                                       "profiles against this export's own")
+        return group_size or 128, ("not recorded in the plan file (a recipe's or trained ladder's plan is profiled "
+                                   "against its bitsandbytes low path, e.g. NF4, not this folder's INT4)")
+    recorded = data.get("group_size")
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded <= 0:
+        raise ExportError(f"{plan_path} is an int4 profile without a valid group_size ({recorded!r}): profile again "
+                          "with gnmr-hf profile --low int4")
+    if group_size is not None and group_size != recorded:
+        raise ExportError(f"--group-size {group_size}: {plan_path} was profiled against INT4 with group {recorded}: "
+                          f"leave --group-size out (or give {recorded}), or profile again with --group-size {group_size}")
+    if data.get("model_identity") is not None:
+        from gnmr_hf.planning.profiler import identity_mismatch
+
+        why = identity_mismatch(data["model_identity"], model_path)
+        if why:
+            raise ExportError(f"{plan_path} was profiled on another model than {model_path}: {why}")
+    return recorded, (f"this export's own INT4 quantiser (W4A16, group {recorded}; `gnmr-hf profile --low int4`): "
+                      "the gains it ranked are this folder's")
 
 
 def _merged_bf16(model_path: Path, adapter):
@@ -480,6 +520,8 @@ def model_card(summary: dict[str, Any], model_path: Path) -> str:
               f"| BF16 | {summary['bf16_tensor_bytes'] / mib:.2f} MiB |", ""]
     over = summary["tensor_bytes"] / summary["w4a16_tensor_bytes"] - 1
     lines += [f"Over uniform W4A16: **{100 * over:+.1f} %** of the tensor bytes.", ""]
+    if summary.get("profiled_against"):
+        lines += [f"The plan was profiled against: {summary['profiled_against']}.", ""]
     if summary["measured"]:
         lines += ["Measured (by the caller of the export):", ""]
         lines += [f"- {k}: {v}" for k, v in summary["measured"].items()] + [""]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -27,7 +29,7 @@ class ProfileError(Exception):
 
 
 PRICE_POINTS = (0.05, 0.10, 0.25)
-_LOW = ("nf4", "fp4", "int8")
+_LOW = ("nf4", "fp4", "int8", "int4")
 _TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 
 
@@ -35,6 +37,8 @@ PROFILE_EPILOG = """examples:
   gnmr-hf profile --output prof                              SmolLM2, NF4, the recipes' data, 10 % budget
   gnmr-hf profile --model PATH --low nf4 --budget 300MB --data train.jsonl --output prof
   gnmr-hf profile --output prof --criterion first_order,loss --heldout-batches 2   compare criteria
+  gnmr-hf profile --model PATH --low int4 --group-size 64 --budget +10%int4 --data docs.txt --output prof
+                                                             a ladder for gnmr-hf export --format compressed-tensors
   gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter ADAPTER
                                                              score an adapter on the planned mixed base
 
@@ -56,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model folder with safetensors (the BF16 checkpoint), or an offline alias: "
                         "smollm2-135m-instruct (default), gemma3-270m")
-    p.add_argument("--low", default="nf4", choices=_LOW, help="the quantised low path (default nf4)")
+    p.add_argument("--low", default="nf4", choices=_LOW,
+                   help="the quantised low path (default nf4); int4: the compressed-tensors export's own W4A16 "
+                        "quantiser (gnmr_hf.export_ct.int4_fake_quant, the BF16 model loaded without bitsandbytes): "
+                        "a precision-ladder plan (INT8 / BF16 rungs, first-order gains ct_rung_gains) for gnmr-hf "
+                        "export --format compressed-tensors, budgets in the folder's bytes over uniform W4A16 "
+                        "(+10%%int4, a size over it, or a share N%% of what every decoder linear on BF16 would cost "
+                        "over it), grouped for vLLM by default; --criterion, --storage and --no-ladder do not apply")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="--low int4: the INT4 group the export will use (default 128, vLLM's W4A16 preset; it must "
+                        "divide every decoder linear's input size); recorded in profile.json for the export")
     p.add_argument("--budget", default="10%",
                    help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), a size "
                         "over it (300MB, 2GiB, 123456B, as served), or a share of the quantised weights' BF16 "
@@ -89,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: recipes/smollm2-135m/<low>.yaml)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
-    p.add_argument("--groups", default=None, choices=("vllm",),
+    p.add_argument("--groups", default=None, choices=("vllm", "none"),
                    help="plan whole serving groups: q/k/v of a layer as one purchase, gate/up as one (o_proj and "
                         "down_proj single), as vLLM fuses them (the layout read from the model's architecture; an "
                         "unknown one is refused), so that vLLM can serve the plan; default: free (linear by "
-                        "linear). Either way the free and the grouped plans are printed side by side")
+                        "linear), except for --low int4 (default vllm there: its export targets vLLM); none: free. "
+                        "Either way the free and the grouped plans are printed side by side")
     p.add_argument("--no-ladder", action="store_true",
                    help="4-bit low paths: skip the precision ladder's table (INT8 and BF16 rungs under budgets of "
                         "memory over the 4-bit model; gnmr_hf.planning.ladder, one model load per row)")
@@ -219,12 +233,26 @@ def _examples(batches: Sequence[dict[str, Any]]) -> tuple[int, int]:
 def _run(args: argparse.Namespace) -> int:
     from gnmr_hf.memory import parse_memory_budget
 
-    memory = parse_memory_budget(args.budget)  # "+10%nf4": converted once the model's linears are known
+    int4 = args.low == "int4"
+    over_int4 = _parse_int4_budget(args.budget)  # "+10%int4": memory over the uniform W4A16 folder
+    if over_int4 is not None and not int4:
+        raise ProfileError(f"--budget {args.budget} is memory over the uniform W4A16 (int4) model, but --low is "
+                           f"{args.low}")
+    if args.group_size is not None and not int4:
+        raise ProfileError(f"--group-size is the INT4 group of --low int4 (the compressed-tensors export's), not of "
+                           f"--low {args.low}")
+    if int4 and args.criterion != DEFAULT_CRITERION:
+        raise ProfileError(f"--criterion {args.criterion}: --low int4 profiles the rungs' first-order gains against the "
+                           "export's INT4 quantiser (gnmr_hf.export_ct.ct_rung_gains), no other criterion")
+    memory = None if over_int4 is not None else parse_memory_budget(args.budget)  # "+10%nf4": converted later
     if memory is not None and memory[1] != args.low:
         raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
-    budget_bytes, budget_fraction = (None, None) if memory is not None else parse_budget(args.budget)
+    budget_bytes, budget_fraction = ((None, None) if memory is not None or over_int4 is not None
+                                     else parse_budget(args.budget))
     criteria = _criteria(args.criterion)
-    for flag in ("batches", "batch_size", "max_seq_len", "threads"):
+    if not int4 and args.groups == "none":
+        args.groups = None  # free, the default of the bitsandbytes low paths
+    for flag in ("batches", "batch_size", "max_seq_len", "threads", "group_size"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise ProfileError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
@@ -240,7 +268,7 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from gnmr_hf._import_utils import require
 
-    for pkg in ("transformers", "bitsandbytes", "peft", "datasets"):
+    for pkg in ("transformers", "peft", "datasets") if int4 else ("transformers", "bitsandbytes", "peft", "datasets"):
         require(pkg, "gnmr-hf profile")
     started = time.time()
 
@@ -303,6 +331,9 @@ def _run(args: argparse.Namespace) -> int:
     import gnmr_hf
 
     dtype = getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32"))
+    if int4:
+        return _run_int4(args, model_path, batches, heldout, dtype, over_int4, budget_bytes, budget_fraction, out,
+                         started)
     if args.low == "int8":
         qconfig = BitsAndBytesConfig(load_in_8bit=True)
     else:
@@ -422,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
                    "modules": u.modules, "layer": u.layer, "op": u.op, "scores": u.scores} for u in prof.units]
     out.mkdir(parents=True, exist_ok=True)
     path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
-                        plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
+                        low=args.low, plan=main_plan.to_dict(), price=[p.to_dict() for p in price], units=units_json,
                         **({} if ladder_rows is None else {"ladder": ladder_rows}),
                         **({} if grouping is None else {"grouping": grouping}),
                         command="gnmr-hf profile " + shlex.join(args.argv))
@@ -446,6 +477,171 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------- --low int4
+
+_INT4_BUDGET = re.compile(r"^\+?\s*(?P<value>\d+(\.\d+)?|\.\d+)\s*%\s*int4$", re.IGNORECASE)
+#: --low int4's price points: memory over the uniform W4A16 folder
+INT4_POINTS = (0.05, 0.10, 0.25)
+
+
+def _parse_int4_budget(text: str) -> float | None:
+    """``"+10%int4"`` -> 0.10 (memory over the uniform W4A16 folder); None for a budget in another form."""
+    m = _INT4_BUDGET.match(str(text).strip())
+    if m is None:
+        return None
+    value = float(m.group("value")) / 100
+    if not 0 < value <= 10:
+        raise ProfileError(f"--budget {text}: memory over the uniform W4A16 model must be in (0, 1000]%")
+    return value
+
+
+def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype, over_int4: float | None,
+              budget_bytes: int | None, budget_fraction: float | None, out: Path, started: float) -> int:
+    """``--low int4``: the ladder planned against the compressed-tensors export's own INT4 quantiser.
+
+    The BF16 model is loaded without a quantiser; :func:`gnmr_hf.export_ct.ct_rung_gains` gives each decoder
+    linear's first-order gain on INT8 and BF16 at the uniform W4A16 point and each rung's price in the folder's
+    bytes (:func:`~gnmr_hf.export_ct.ct_rung_prices`); :func:`gnmr_hf.planning.ladder.choose_rungs` plans under
+    the budget (whole vLLM serving groups unless ``--groups none``). Every plan is measured on the batches with
+    the export's quantiser applied in torch (the served weights, bit-exact)."""
+    from transformers import AutoModelForCausalLM
+
+    from gnmr_hf.export_ct import (
+        _largest_group,
+        ct_rung_gains,
+        ct_rung_prices,
+        ct_tensor_bytes,
+        int4_fake_quant,
+        int8_fake_quant,
+    )
+    from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups, split_groups
+    from gnmr_hf.planning.ladder import _loss, choose_rungs, plan_gain
+    from gnmr_hf.planning.profiler import model_identity
+
+    gs = 128 if args.group_size is None else args.group_size
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    print(f"[profile] loading {model_path} in {str(dtype).replace('torch.', '')} (no quantiser: the low path is the "
+          f"compressed-tensors export's INT4, group {gs}, simulated in torch) ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    linears = decoder_linears(model)
+    mods = dict(model.named_modules())
+    short = [n for n in linears if mods[n].in_features % gs]
+    if short:
+        g = _largest_group([mods[n].in_features for n in linears], gs)
+        fix = f"use --group-size {g}" if g else "no power-of-two group of at least 16 divides them all"
+        raise ProfileError(f"--group-size {gs} does not divide the input size of {short[0]} "
+                           f"({mods[short[0]].in_features}): {fix}")
+    want_groups = args.groups != "none"  # unset: vLLM's groups, the export's default target
+    try:
+        groups, no_layout = serving_groups(model, linears), None
+    except ServingLayoutError as e:
+        if want_groups:
+            how = "--groups vllm" if args.groups else "--low int4 plans whole vLLM serving groups by default"
+            raise ProfileError(f"{how}: {e}; --groups none plans linear by linear (export it with --target "
+                               "transformers)") from None
+        groups, no_layout = None, str(e)
+
+    # the one currency: the folder's tensor bytes over the uniform W4A16 folder (gnmr_hf.export_ct.ct_tensor_bytes)
+    decoder = set(linears)
+    shapes = {n: (mods[n].out_features, mods[n].in_features, mods[n].bias is not None) for n in linears}
+    other = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
+    w4a16 = ct_tensor_bytes(shapes, {}, other, gs)
+    all_bf16 = ct_tensor_bytes(shapes, dict.fromkeys(linears, "bf16"), other, gs) - w4a16
+    if over_int4 is not None:
+        budget = int(over_int4 * w4a16)
+    elif budget_bytes is not None:
+        budget = int(budget_bytes)
+    else:
+        budget = int(budget_fraction * all_bf16)
+    prices = {n: ct_rung_prices(mods[n].out_features, mods[n].in_features, gs) for n in linears}
+    buys = [g.members for g in groups] if groups is not None and want_groups else [(n,) for n in linears]
+    cheapest = min(sum(prices[m]["int8"] for m in b) for b in buys)
+    what = "serving group" if len(buys) < len(linears) else "linear"
+    if budget < cheapest:
+        raise ProfileError(f"--budget {args.budget} = {budget} B over uniform W4A16 buys nothing: the cheapest "
+                           f"{what} costs {cheapest} B on INT8")
+    if budget > all_bf16:
+        raise ProfileError(f"--budget {args.budget} = {budget} B over uniform W4A16 is more than every decoder linear "
+                           f"on BF16 costs over it ({all_bf16} B): give a smaller budget")
+
+    def on(bs):
+        return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bs]
+
+    profile_b, heldout_b = on(batches), on(heldout)
+    t0 = time.time()
+    units = ct_rung_gains(model, profile_b, gs, linears)
+    print(f"[profile] rung gains against INT4 (group {gs}) on {len(batches)} batch(es) in {time.time() - t0:.0f} s",
+          flush=True)
+    originals = {n: mods[n].weight.detach().to(torch.bfloat16).clone() for n in linears}
+
+    def measure(rungs: dict[str, str]) -> dict[str, float]:
+        """The losses of the folder ``rungs`` describes (its weights as served, computed in ``dtype``)."""
+        with torch.no_grad():
+            for n in linears:
+                r, w, o = rungs.get(n, "low"), mods[n].weight, originals[n]
+                w.copy_((o if r == "bf16" else int8_fake_quant(o) if r == "int8" else int4_fake_quant(o, gs)).to(w.dtype))
+        return {"profile": _loss(model, profile_b), **({"heldout": _loss(model, heldout_b)} if heldout_b else {})}
+
+    low, high = measure({}), measure(dict.fromkeys(linears, "bf16"))
+    budgets = sorted({budget} | {int(f * w4a16) for f in INT4_POINTS if cheapest <= int(f * w4a16) <= all_bf16})
+    rows = []
+    for b in budgets:
+        for kind in ("free", "grouped") if groups is not None else ("free",):
+            chosen = choose_rungs(units, b, groups=groups if kind == "grouped" else None)
+            gain, price = plan_gain(units, chosen)
+            loss = measure(chosen)
+            rows.append({"memory_over_w4a16": b / w4a16, "budget_bytes": b, "kind": kind,
+                         "int8": sum(r == "int8" for r in chosen.values()),
+                         "bf16": sum(r == "bf16" for r in chosen.values()), "price_bytes": price,
+                         "predicted_gain": gain, "loss": loss,
+                         "gap_closed": {k: (low[k] - v) / (low[k] - high[k]) if low[k] != high[k] else None
+                                        for k, v in loss.items()},
+                         "split_groups": len(split_groups(chosen, groups)) if groups is not None else None,
+                         "rungs": chosen})
+    kind = "grouped" if groups is not None and want_groups else "free"
+    main_row = next(r for r in rows if r["budget_bytes"] == budget and r["kind"] == kind)
+    originals.clear()
+
+    print(f"\nINT4 ladder (every decoder linear on the export's INT4, group {gs}, on INT8 or on BF16; prices in the "
+          f"compressed-tensors folder's bytes over uniform W4A16, {w4a16 / 2**20:.2f} MiB; gap closed = (L_W4A16 - L) / "
+          f"(L_W4A16 - L_BF16): L_W4A16 {low['profile']:.4f}, L_BF16 {high['profile']:.4f} on the {len(batches)} "
+          f"profile batch(es){'' if groups is None else '; grouped: whole vLLM serving groups, q/k/v and gate/up of a layer on one rung'}):")
+    cols = ["profile"] + (["heldout"] if heldout_b else [])
+    head = ("| memory over W4A16 | plan | INT8 linears | BF16 linears | price over W4A16 (MiB) | predicted gain | "
+            + " | ".join(f"loss ({c}) | gap closed ({c})" for c in cols) + " |")
+    print(head)
+    print("|" + " --- |" * (6 + 2 * len(cols)))
+    for r in rows:
+        gaps = " | ".join(f"{r['loss'][c]:.4f} | " + ("-" if r["gap_closed"][c] is None else f"{r['gap_closed'][c]:.3f}")
+                          for c in cols)
+        print(f"| +{100 * r['memory_over_w4a16']:.1f} % | {r['kind']}{' (vllm)' if r['kind'] == 'grouped' else ''} | "
+              f"{r['int8']} | {r['bf16']} | {r['price_bytes'] / 2**20:.3f} | {r['predicted_gain']:.4f} | {gaps} |")
+    if groups is None:
+        print(f"\n[profile] no grouped plans: {no_layout}")
+    chosen = main_row["rungs"]
+    record = {"low": "int4", "group_size": gs, "groups": "vllm" if kind == "grouped" else None,
+              "rungs": chosen, "price_bytes": main_row["price_bytes"], "budget": args.budget, "budget_bytes": budget,
+              "w4a16_bytes": w4a16, "bf16_over_w4a16_bytes": all_bf16,
+              "plan": {"rungs": chosen, "groups": "vllm" if kind == "grouped" else None, "budget_bytes": budget,
+                       "price_bytes": main_row["price_bytes"], "predicted_gain": main_row["predicted_gain"],
+                       "loss": main_row["loss"], "gap_closed": main_row["gap_closed"]},
+              "model": type(mods[""]).__name__, "model_identity": model_identity(model_path),
+              "losses": {"low": low, "high": high}, "batches": len(batches), "heldout_batches": len(heldout),
+              "tokens": _examples(batches)[1], "dtype": str(dtype).replace("torch.", ""),
+              "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
+                        for u in units],
+              "plans": [{k: v for k, v in r.items() if k != "rungs"} for r in rows],
+              "command": "gnmr-hf profile " + shlex.join(args.argv)}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "profile.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"\nthe plan written ({kind}, budget {args.budget} = {budget / 2**20:.3f} MiB over uniform W4A16): "
+          f"{main_row['int8']} linear(s) on INT8, {main_row['bf16']} on BF16, {main_row['price_bytes']} B over W4A16 "
+          f"(+{100 * main_row['price_bytes'] / w4a16:.2f} %)")
+    print(f"export it: gnmr-hf export --model {args.model} --plan {out} --format compressed-tensors --output DIR "
+          f"[--adapter ADAPTER] (group {gs} read from the plan)")
+    print(f"[profile] wrote {path} (no profile.png for --low int4) in {time.time() - started:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
