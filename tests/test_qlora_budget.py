@@ -516,7 +516,7 @@ def test_the_training_loss_gap_is_closed_window_by_window_against_each_seeds_ref
 def test_a_late_plan_without_its_profile_is_refused_in_one_line(tmp_path):
     root = tmp_path / "bench"
     root.mkdir()
-    with pytest.raises(SystemExit, match=r"late-op-10 needs .*profile_late\.json \(late-op: run bench/late_profile\.py "
+    with pytest.raises(SystemExit, match=r"late-op-10 needs .*profile_late\.json \(late-op: run bench/value/late_profile\.py "
                                          r"--write-profile first\)"):
         qb.main(["run", "--method", "late-op-10", "--seed", "0", "--out", str(root / "late-op-10" / "seed0"),
                  "--steps", "1"])
