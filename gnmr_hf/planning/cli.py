@@ -522,7 +522,16 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     print(f"[profile] loading {model_path} in {str(dtype).replace('torch.', '')} (no quantiser: the low path is the "
           f"compressed-tensors export's INT4, group {gs}, simulated in torch) ...", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if args.quiet:
+        hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    finally:
+        if bars and args.quiet:
+            hf_logging.enable_progress_bar()
     linears = decoder_linears(model)
     mods = dict(model.named_modules())
     short = [n for n in linears if mods[n].in_features % gs]
