@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,41 +78,92 @@ def decoder_low_linears(model) -> list[str]:
             if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and ".layers." in n]
 
 
+class _CheckpointLinears:
+    """Where each linear's checkpoint weight lies (file and key, read from the safetensors headers), so that the
+    weights are read one at a time, when needed, instead of all held at once (:func:`_checkpoint_weights`)."""
+
+    def __init__(self, model_path: str | os.PathLike, names: list[str]):
+        from safetensors import safe_open
+
+        wanted = {f"{n}.weight": n for n in names}
+        self.where: dict[str, tuple[str, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as fh:
+                for k in fh.keys():
+                    if k in wanted:
+                        self.where[wanted[k]] = (str(f), k)
+                        self.shapes[wanted[k]] = tuple(fh.get_slice(k).get_shape())
+        missing = sorted(set(names) - set(self.where))
+        if missing:
+            raise ValueError(f"{model_path} has no weight for {len(missing)} linear(s), e.g. {missing[0]}: "
+                             "another checkpoint than the model's?")
+
+    def __getitem__(self, name: str):
+        from safetensors import safe_open
+
+        f, k = self.where[name]
+        with safe_open(f, "pt") as fh:
+            return fh.get_tensor(k)
+
+
 def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", double_quant: bool = False,
                int8_threshold: float = 6.0) -> list[LadderUnit]:
     """Every decoder linear's first-order gain on each rung (see the module docstring).
 
     ``model`` is the stock-loaded low model (``BitsAndBytesConfig(load_in_4bit=True, ...)``), ``model_path``
     its BF16 checkpoint, ``batches`` dicts with ``input_ids`` and ``labels`` (any mapping).
+
+    Memory: the forward keeps only each linear's input (which a LoRA training step saves too); the linear's
+    low-path output and its rungs' outputs are computed again from it when its output gradient arrives, one
+    rung at a time, and each rung's weight is read from the checkpoint (and quantised, for INT8) there and
+    freed after. The gains are those of computing the differences in the forward (the same operations on the
+    same tensors), without holding two output-sized differences per linear for the whole backward, nor every
+    linear's BF16 and INT8 weights for the whole call.
     """
     import torch
 
     names = decoder_low_linears(model)
     if not names:
         raise ValueError("rung_gains needs a bitsandbytes-quantised model: no 4-bit/8-bit linear in its decoder layers")
-    weights = _checkpoint_weights(model_path, names)
+    weights = _CheckpointLinears(model_path, names)
     modules = dict(model.named_modules())
-    # each INT8 rung on its linear's device (a GPU-loaded model's hooks see CUDA inputs)
-    int8 = {n: int8_linear(weights[n].to(device=modules[n].weight.device, dtype=torch.float32), int8_threshold)
-            for n in names}
-    units = [LadderUnit(n, weights[n].numel(), weights[n].shape[0],
-                        prices=rung_prices(weights[n].numel(), weights[n].shape[0], low, double_quant))
-             for n in names]
+    units = []
+    for n in names:
+        numel, rows = math.prod(weights.shapes[n]), weights.shapes[n][0]
+        units.append(LadderUnit(n, numel, rows, prices=rung_prices(numel, rows, low, double_quant)))
     acc = {n: {r: 0.0 for r in RUNGS} for n in names}
+
+    def rung_output(name: str, rung: str, x):
+        w = weights[name]
+        if rung == "bf16":
+            return torch.nn.functional.linear(x, w.to(device=x.device, dtype=x.dtype))
+        # the INT8 rung on the linear's device (a GPU-loaded model's hooks see CUDA inputs), as load_in_8bit
+        # quantises the checkpoint weight
+        module = int8_linear(w.to(device=modules[name].weight.device, dtype=torch.float32), int8_threshold)
+        return module(x)
 
     def hook(name):
         def fn(mod, inp, out):
             if not (isinstance(out, torch.Tensor) and out.requires_grad):
                 return
             x = inp[0].detach()
-            with torch.no_grad():
-                w = weights[name].to(device=x.device, dtype=x.dtype)
-                d = {"bf16": torch.nn.functional.linear(x, w) - out.detach(),
-                     "int8": int8[name](x).to(out.dtype) - out.detach()}
+            version = x._version
 
-            def on_grad(g, d=d):
-                for r in RUNGS:
-                    acc[name][r] -= float((g * d[r]).sum(dtype=torch.float64))
+            def on_grad(g, x=x, version=version):
+                if x._version != version:
+                    raise RuntimeError(f"rung_gains: the input of {name} was changed in place after its forward")
+                with torch.enable_grad():
+                    # the low path's output again: the same module on the same input, with the input requiring
+                    # grad as in the forward (bitsandbytes takes another kernel for an input that needs none)
+                    low_out = mod.forward(x.detach().requires_grad_(True)).detach()
+                with torch.no_grad():
+                    for r in RUNGS:
+                        y = rung_output(name, r, x)
+                        d = (y.to(low_out.dtype) if r == "int8" else y) - low_out
+                        del y
+                        acc[name][r] -= float((g * d).sum(dtype=torch.float64))
+                        del d
 
             out.register_hook(on_grad)
         return fn
