@@ -16,7 +16,7 @@ file whose existence means "done", and the keys it waits for); :func:`run_plan` 
 - **light results**: a job that succeeded leaves its per-step trace gzip-compressed (``gnmr_trace.jsonl.gz``)
   and its log too when it is over ``LOG_KEPT_RAW`` bytes (``log.txt.gz``, a later attempt's log appended as a
   further member); the readers open either copy (``gnmr_hf.reporting.stored.open_text``). A failed job's log
-  stays plain text.
+  stays plain text. Logs stay out of git (``.gitignore``): the figures a report reads are in ``result.json``.
 """
 
 from __future__ import annotations
