@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pkgutil
 import subprocess
@@ -59,10 +60,6 @@ def _loaded_after_import_code(code: str, prefixes: tuple[str, ...]) -> set[str]:
     return set(out.stdout.split())
 
 
-def _loaded_after_import(module: str, prefixes: tuple[str, ...]) -> set[str]:
-    return _loaded_after_import_code(f"import {module}", prefixes)
-
-
 def _top_level(names: set[str]) -> set[str]:
     return {n.split(".")[0] for n in names}
 
@@ -82,10 +79,39 @@ def test_core_imports_no_hugging_face_stack():
 
 
 @pytest.mark.slow
+def _backends_reach(modules: list[str]) -> dict[str, set[str]]:
+    """For each module, the ``gnmr_hf.backends.*`` modules loaded by importing it into an interpreter that has
+    loaded no ``gnmr_hf`` module: one interpreter imports the third-party stack (torch, transformers, peft,
+    bitsandbytes) once and forks a child per module, so that the stack is not imported again for each."""
+    probe = (
+        "import importlib, json, os, sys\n"
+        "for name in ('torch', 'transformers', 'peft', 'bitsandbytes'):\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "assert not [m for m in sys.modules if m == 'gnmr_hf' or m.startswith('gnmr_hf.')], 'gnmr_hf preloaded'\n"
+        f"for m in {modules!r}:\n"
+        "    sys.stdout.flush()\n"
+        "    if os.fork() == 0:\n"
+        "        importlib.import_module(m)\n"
+        "        reach = sorted(n for n in sys.modules if n.startswith('gnmr_hf.backends.'))\n"
+        "        print(json.dumps([m, reach]), flush=True)\n"
+        "        os._exit(0)\n"
+        "    _, status = os.wait()\n"
+        "    assert status == 0, (m, status)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith('["gnmr_hf.')]
+    assert [m for m, _ in rows] == modules, out.stdout[-2000:]
+    return {m: set(reach) for m, reach in rows}
+
+
 def test_backends_have_no_import_cycle():
     modules = _package_modules("gnmr_hf.backends")
     assert {"gnmr_hf.backends.base", "gnmr_hf.backends.dispatch", "gnmr_hf.backends.bnb_int8"} <= set(modules)
-    reach = {m: _loaded_after_import(m, ("gnmr_hf.backends.",)) - {m} for m in modules}
+    reach = {m: r - {m} for m, r in _backends_reach(modules).items()}
     # the import graph really was seen: a backend pulls in the shared base
     assert "gnmr_hf.backends.base" in reach["gnmr_hf.backends.bnb_int8"]
     # base is the bottom: it loads no other backends module
