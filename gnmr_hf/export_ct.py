@@ -45,6 +45,17 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf.export_folder import ExportError, check_model_folder, plan_file
+from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's quantisers and prices)
+    INT4_PROFILE,
+    _largest_group,
+    ct_rung_gains,
+    ct_rung_prices,
+    ct_tensor_bytes,
+    fake_quantize_model,
+    int4_fake_quant,
+    int8_fake_quant,
+    weight_fake_quant,
+)
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
@@ -53,7 +64,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 SERVE_EXTRA = "the compressed-tensors export needs the serve extra: pip install 'gnmr_hf[serve]' (compressed-tensors)"
 #: what the bitsandbytes export and load_planned say of a plan from ``gnmr-hf profile --low int4`` (``low: "int4"``)
-INT4_PROFILE = "profiled against the compressed-tensors INT4 export: export it with --format compressed-tensors"
+
 
 
 def _require_compressed_tensors():
@@ -62,140 +73,6 @@ def _require_compressed_tensors():
     except ImportError as e:
         raise ImportError(SERVE_EXTRA) from e
     return compressed_tensors
-
-
-# ------------------------------------------------------------------------------------ the quantiser
-
-
-def weight_fake_quant(weight, num_bits: int, group_size: int | None = None):
-    """Symmetric integer quantise-dequantise of a ``(out, in)`` weight as compressed-tensors computes it:
-    scales from each group's (``group_size`` columns; ``None``: the whole row, per channel) absolute maximum,
-    ``scale = max(|min(w, 0)|, |max(w, 0)|) / ((2**bits - 1) / 2)`` in the weight's dtype (an all-zero group gets
-    the dtype's eps), codes ``round(clamp(w / scale, -2**(bits-1), 2**(bits-1) - 1))``, value ``code * scale``.
-    Returns the dequantised weight in ``weight``'s dtype; pass the BF16 weight the export quantises."""
-    import torch
-
-    w = weight.detach()
-    rows, cols = w.shape
-    g = cols if group_size is None else int(group_size)
-    if g <= 0 or cols % g:
-        raise ValueError(f"group_size {group_size} does not divide the weight's {cols} columns")
-    x = w.reshape(rows, cols // g, g)  # (out, groups, group)
-    zero = torch.zeros((), dtype=w.dtype, device=w.device)
-    lo, hi = torch.minimum(x.amin(-1), zero), torch.maximum(x.amax(-1), zero)  # 0 always representable
-    q_min, q_max = -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1
-    # the library divides by its code range cast to the weight's dtype, halved there
-    half = torch.tensor(float(q_max - q_min)).to(w.dtype) / 2
-    scale = torch.maximum(lo.abs(), hi.abs()) / half
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device), scale)
-    codes = torch.round(torch.clamp(x / scale.unsqueeze(-1), q_min, q_max)).to(torch.int8)
-    return (codes.to(w.dtype) * scale.unsqueeze(-1)).reshape(rows, cols)
-
-
-def int4_fake_quant(weight, group_size: int = 128):
-    """The export's low rung (W4A16: INT4, group-wise symmetric) as quantise-dequantise, bit-exact to the
-    served weight when given the BF16 weight the export quantises (see :func:`weight_fake_quant`)."""
-    return weight_fake_quant(weight, 4, group_size)
-
-
-def int8_fake_quant(weight):
-    """The export's INT8 rung (W8A16: per output channel, symmetric) as quantise-dequantise."""
-    return weight_fake_quant(weight, 8, None)
-
-
-def fake_quantize_model(model, rungs: Mapping[str, str], group_size: int = 128, linears: list[str] | None = None):
-    """``model`` (in place) with every decoder linear's weight quantised-dequantised at its rung: INT4
-    (:func:`int4_fake_quant`) unless ``rungs`` puts it on ``"int8"`` (:func:`int8_fake_quant`) or ``"bf16"``
-    (unchanged). The weights are quantised in their own dtype: give a BF16 model to reproduce the export, then
-    cast it (``.float()``) to compute in FP32. Returns ``model``."""
-    import torch
-
-    from gnmr_hf.planning.groups import decoder_linears
-
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name in linears if linears is not None else decoder_linears(model):
-            rung = rungs.get(name, "low")
-            if rung == "bf16":
-                continue
-            w = modules[name].weight
-            w.copy_(int8_fake_quant(w) if rung == "int8" else int4_fake_quant(w, group_size))
-    return model
-
-
-def ct_rung_prices(out_features: int, in_features: int, group_size: int = 128) -> dict[str, int]:
-    """Bytes each rung of one linear costs in the folder over its W4A16 form (:func:`ct_tensor_bytes`, bias aside)."""
-    shape = {"x": (out_features, in_features, False)}
-    low = ct_tensor_bytes(shape, {}, 0, group_size)
-    return {r: ct_tensor_bytes(shape, {"x": r}, 0, group_size) - low for r in ("int8", "bf16")}
-
-
-def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | None = None) -> list[Any]:
-    """Every decoder linear's first-order gain on the INT8 and BF16 rungs against this export's own W4A16 low
-    path, and each rung's price in the folder's bytes: the profile for a plan meant for
-    :func:`export_compressed_tensors` (a plan profiled against NF4 ranks another quantiser's errors).
-
-    The low point is the uniform W4A16 model exactly: each decoder linear's weight replaced by
-    :func:`int4_fake_quant` of its BF16 value (bit-exact to the served weight). One forward and backward per
-    batch there gives ``dL/dW`` at that point, and a rung's gain is ``-<dL/dW, W_rung - W_low>`` summed over the
-    batches (``W_rung``: :func:`int8_fake_quant` of the BF16 weight, or the BF16 weight), the same first-order
-    estimate as :func:`gnmr_hf.planning.ladder.rung_gains` (``-<dL/dy, y_rung - y_low>`` summed over tokens,
-    since ``y = x W^T``).
-
-    Args:
-        model: the BF16 checkpoint loaded in the dtype to compute in (FP32: its weights are the BF16 values
-            upcast exactly; they are quantised from their BF16 value); restored before returning.
-        batches: dicts with ``input_ids``, ``labels`` (and optionally ``attention_mask``).
-        group_size: the W4A16 group size the export will use.
-        linears: the decoder linears (default :func:`gnmr_hf.planning.groups.decoder_linears`).
-
-    Returns:
-        ``LadderUnit`` per linear (:class:`gnmr_hf.planning.ladder.LadderUnit`), prices from :func:`ct_rung_prices`:
-        feed them to ``choose_rungs`` (with the serving groups for vLLM).
-    """
-    import torch
-
-    from gnmr_hf.planning.groups import decoder_linears
-    from gnmr_hf.planning.ladder import LadderUnit
-
-    names = list(linears) if linears is not None else decoder_linears(model)
-    modules = dict(model.named_modules())
-    originals = {n: modules[n].weight.detach().clone() for n in names}
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
-    units = []
-    try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        for n in names:
-            w = modules[n].weight
-            w.data.copy_(int4_fake_quant(originals[n].to(torch.bfloat16), group_size).to(w.dtype))
-            w.grad = None
-            w.requires_grad_(True)
-        model.eval()
-        with torch.enable_grad():
-            for b in batches:
-                b = dict(b)
-                out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=b["labels"])
-                out.loss.backward()
-        for n in names:
-            w = modules[n].weight
-            bf16 = originals[n].to(torch.bfloat16)
-            low = w.detach()
-            grad = w.grad.to(torch.float64)
-            gains = {"int8": -float((grad * (int8_fake_quant(bf16).to(low.dtype) - low).to(torch.float64)).sum()),
-                     "bf16": -float((grad * (bf16.to(low.dtype) - low).to(torch.float64)).sum())}
-            rows, cols = w.shape
-            units.append(LadderUnit(n, w.numel(), rows, gains=gains, prices=ct_rung_prices(rows, cols, group_size)))
-    finally:
-        for n in names:
-            w = modules[n].weight
-            w.grad = None
-            w.data.copy_(originals[n])
-        for p, f in flags:
-            p.requires_grad_(f)
-        model.train(was_training)
-    return units
 
 
 def _weight_args(rung: str, group_size: int):
@@ -240,15 +117,6 @@ def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, s
         name, rung = next(iter(bad.items()))
         raise ExportError(f"the plan puts {name!r} on {rung!r}: each rung is one of {', '.join(RUNGS)}")
     return rungs, data, path
-
-
-def _largest_group(in_features: list[int], upto: int) -> int | None:
-    g = 1 << (max(upto, 1).bit_length() - 1)
-    while g >= 16:
-        if all(n % g == 0 for n in in_features):
-            return g
-        g //= 2
-    return None
 
 
 def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], group_size: int, target: str):
@@ -304,24 +172,6 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
     shapes = {n: (modules[n].out_features, modules[n].in_features, modules[n].bias is not None) for n in linears}
     other = sum(p.numel() for n, p in meta.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
     return rungs, linears, shapes, other, groups
-
-
-def ct_tensor_bytes(shapes: Mapping[str, tuple[int, int, bool]], rungs: Mapping[str, str], other_params: int,
-                    group_size: int = 128) -> int:
-    """The bytes of the tensors a compressed-tensors folder stores (safetensors data, headers aside): per
-    quantised linear its int32-packed codes, BF16 scales (one per group, or per row for INT8) and int64
-    ``weight_shape``; unquantised linears, biases and every other parameter (``other_params``, tied ones once)
-    in BF16. ``rungs`` as in :func:`fake_quantize_model` (``{}``: uniform W4A16)."""
-    total = 2 * other_params
-    for name, (out_f, in_f, bias) in shapes.items():
-        rung = rungs.get(name, "low")
-        total += 2 * out_f if bias else 0
-        if rung == "bf16":
-            total += 2 * out_f * in_f
-            continue
-        bits, scales = (8, out_f) if rung == "int8" else (4, out_f * (in_f // group_size))
-        total += 4 * out_f * -(-in_f * bits // 32) + 2 * scales + 16
-    return total
 
 
 def _safetensors_bytes(folder: Path) -> int:

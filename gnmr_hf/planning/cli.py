@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "smollm2-135m-instruct (default), gemma3-270m")
     p.add_argument("--low", default="nf4", choices=_LOW,
                    help="the quantised low path (default nf4); int4: the compressed-tensors export's own W4A16 "
-                        "quantiser (gnmr_hf.export_ct.int4_fake_quant, the BF16 model loaded without bitsandbytes): "
+                        "quantiser (gnmr_hf.planning.int4.int4_fake_quant, the BF16 model loaded without bitsandbytes): "
                         "a precision-ladder plan (INT8 / BF16 rungs, first-order gains ct_rung_gains) for gnmr-hf "
                         "export --format compressed-tensors, budgets in the folder's bytes over uniform W4A16 "
                         "(+10%%int4, a size over it, or a share N%% of what every decoder linear on BF16 would cost "
@@ -243,7 +243,7 @@ def _run(args: argparse.Namespace) -> int:
                            f"--low {args.low}")
     if int4 and args.criterion != DEFAULT_CRITERION:
         raise ProfileError(f"--criterion {args.criterion}: --low int4 profiles the rungs' first-order gains against the "
-                           "export's INT4 quantiser (gnmr_hf.export_ct.ct_rung_gains), no other criterion")
+                           "export's INT4 quantiser (gnmr_hf.planning.int4.ct_rung_gains), no other criterion")
     memory = None if over_int4 is not None else parse_memory_budget(args.budget)  # "+10%nf4": converted later
     if memory is not None and memory[1] != args.low:
         raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
@@ -499,14 +499,15 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
               budget_bytes: int | None, budget_fraction: float | None, out: Path, started: float) -> int:
     """``--low int4``: the ladder planned against the compressed-tensors export's own INT4 quantiser.
 
-    The BF16 model is loaded without a quantiser; :func:`gnmr_hf.export_ct.ct_rung_gains` gives each decoder
+    The BF16 model is loaded without a quantiser; :func:`gnmr_hf.planning.int4.ct_rung_gains` gives each decoder
     linear's first-order gain on INT8 and BF16 at the uniform W4A16 point and each rung's price in the folder's
-    bytes (:func:`~gnmr_hf.export_ct.ct_rung_prices`); :func:`gnmr_hf.planning.ladder.choose_rungs` plans under
+    bytes (:func:`~gnmr_hf.planning.int4.ct_rung_prices`); :func:`gnmr_hf.planning.ladder.choose_rungs` plans under
     the budget (whole vLLM serving groups unless ``--groups none``). Every plan is measured on the batches with
     the export's quantiser applied in torch (the served weights, bit-exact)."""
     from transformers import AutoModelForCausalLM
 
-    from gnmr_hf.export_ct import (
+    from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups, split_groups
+    from gnmr_hf.planning.int4 import (
         _largest_group,
         ct_rung_gains,
         ct_rung_prices,
@@ -514,7 +515,6 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
         int4_fake_quant,
         int8_fake_quant,
     )
-    from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups, split_groups
     from gnmr_hf.planning.ladder import _loss, choose_rungs, plan_gain
     from gnmr_hf.planning.profiler import model_identity
 
@@ -550,7 +550,7 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
                                "transformers)") from None
         groups, no_layout = None, str(e)
 
-    # the one currency: the folder's tensor bytes over the uniform W4A16 folder (gnmr_hf.export_ct.ct_tensor_bytes)
+    # the one currency: the folder's tensor bytes over the uniform W4A16 folder (gnmr_hf.planning.int4.ct_tensor_bytes)
     decoder = set(linears)
     shapes = {n: (mods[n].out_features, mods[n].in_features, mods[n].bias is not None) for n in linears}
     other = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
