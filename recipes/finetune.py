@@ -554,7 +554,7 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         extra_callbacks: more ``TrainerCallback`` objects (bench/gpu/gpu_13b_shape.py times steps with one).
     """
     import torch
-    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
+    from transformers import set_seed  # trainer_utils, loaded by load_config
 
     recipe = validate(recipe)  # before anything is loaded or written
     script, args = recipe.script, recipe.training
@@ -568,6 +568,9 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     set_seed(args.seed)
     model_path = resolve_model_path(script.model)
     refuse_prequantised(model_path)  # before the data is built and the model loaded
+    # the Trainer's modules only now: a run refused above (a bad model name or folder) ends without them
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
