@@ -65,6 +65,10 @@ class ServingLayoutError(ValueError):
     """A model whose serving layout is unknown, or whose linears do not fit it (one line)."""
 
 
+# why the bitsandbytes routes refuse a plan of gnmr-hf profile --low int4 (gnmr_hf.planning.int4)
+INT4_PROFILE = "profiled against the compressed-tensors INT4 export: export it with --format compressed-tensors"
+
+
 def architecture_of(model: Any) -> str:
     """The transformers architecture name of a model (its class), a config (``architectures[0]``) or a string."""
     if isinstance(model, str):

@@ -417,7 +417,7 @@ def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> t
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a plan (a JSON object with a 'rungs' mapping or a profile's skip_modules)")
     if data.get("low") == "int4":
-        from gnmr_hf.planning.int4 import INT4_PROFILE
+        from gnmr_hf.planning.groups import INT4_PROFILE
 
         raise ValueError(f"{path} was {INT4_PROFILE} (load_planned loads bitsandbytes low paths)")
     keep: list[str] = []
