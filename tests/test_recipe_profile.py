@@ -77,7 +77,10 @@ def test_profile_needs_a_recovery_path(precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["planned-nf4", "hybrid-nf4", "planned-loftq-nf4"])
+# planned-nf4 itself runs end to end in the demo's test (tests/test_recipes_e2e.py) and as the one-process reference
+# of tests/test_sharded_planned.py; planned-loftq-nf4 is planned-nf4.yaml plus LoftQ and gets every planned-nf4
+# assertion below
+@pytest.mark.parametrize("recipe", ["hybrid-nf4", "planned-loftq-nf4"])
 def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
     from tests.test_recipes_e2e import _launch, _trace
 
