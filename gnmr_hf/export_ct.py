@@ -50,6 +50,7 @@ from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's qu
     _largest_group,
     ct_rung_gains,
     ct_rung_prices,
+    ct_shapes,
     ct_tensor_bytes,
     fake_quantize_model,
     int4_fake_quant,
@@ -169,8 +170,7 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
                               "vLLM needs one scheme per fused group: plan with serving groups "
                               "(gnmr_hf.planning.groups), or export with target='transformers' for a transformers-only "
                               "folder")
-    shapes = {n: (modules[n].out_features, modules[n].in_features, modules[n].bias is not None) for n in linears}
-    other = sum(p.numel() for n, p in meta.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
+    shapes, other = ct_shapes(meta, linears)
     return rungs, linears, shapes, other, groups
 
 

@@ -134,15 +134,14 @@ def predict_model_bytes(model, quantized: set[str] | list[str], low: str, *, dty
     return {"footprint": footprint, "quant_state": state, "total": footprint + state}
 
 
-_MEMORY_BUDGET = re.compile(r"^\+?\s*(?P<value>\d+(\.\d+)?|\.\d+)\s*%\s*(?P<low>nf4|fp4|int8)$", re.IGNORECASE)
-
-
-def parse_memory_budget(text: str) -> tuple[float, str] | None:
-    """``"+10%nf4"`` -> ``(0.10, "nf4")``: a budget as memory over the all-low model; ``None`` when
-    ``text`` is not of that form (a budget in another currency). Refuses 0, negative and > 1000 %."""
-    m = _MEMORY_BUDGET.match(text.strip())
+def parse_memory_budget(text: str, lows: tuple[str, ...] = ("nf4", "fp4", "int8")) -> tuple[float, str] | None:
+    """``"+10%nf4"`` -> ``(0.10, "nf4")``: a budget as memory over the all-low model, the low one of ``lows``
+    (``gnmr-hf profile`` adds ``int4``, the compressed-tensors export's W4A16); ``None`` when ``text`` is not of
+    that form (a budget in another currency). Refuses 0, negative and > 1000 %."""
+    names = "|".join(map(re.escape, lows))
+    m = re.match(rf"^\+?\s*(?P<value>\d+(\.\d+)?|\.\d+)\s*%\s*(?P<low>{names})$", text.strip(), re.IGNORECASE)
     if m is None:
-        if re.search(r"%\s*(nf4|fp4|int8)\s*$", text.strip(), re.IGNORECASE):
+        if re.search(rf"%\s*({names})\s*$", text.strip(), re.IGNORECASE):
             raise ValueError(f"budget {text!r}: memory over the low model is written +N%nf4 (or %fp4, %int8) "
                              "with N > 0, e.g. +10%nf4")
         return None

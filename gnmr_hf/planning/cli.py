@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -234,7 +233,8 @@ def _run(args: argparse.Namespace) -> int:
     from gnmr_hf.memory import parse_memory_budget
 
     int4 = args.low == "int4"
-    over_int4 = _parse_int4_budget(args.budget)  # "+10%int4": memory over the uniform W4A16 folder
+    memory = parse_memory_budget(args.budget, lows=_LOW)  # "+10%nf4", "+10%int4": converted once the model is known
+    over_int4 = memory[0] if memory is not None and memory[1] == "int4" else None  # over the uniform W4A16 folder
     if over_int4 is not None and not int4:
         raise ProfileError(f"--budget {args.budget} is memory over the uniform W4A16 (int4) model, but --low is "
                            f"{args.low}")
@@ -244,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
     if int4 and args.criterion != DEFAULT_CRITERION:
         raise ProfileError(f"--criterion {args.criterion}: --low int4 profiles the rungs' first-order gains against the "
                            "export's INT4 quantiser (gnmr_hf.planning.int4.ct_rung_gains), no other criterion")
-    memory = None if over_int4 is not None else parse_memory_budget(args.budget)  # "+10%nf4": converted later
+    memory = None if over_int4 is not None else memory
     if memory is not None and memory[1] != args.low:
         raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
     budget_bytes, budget_fraction = ((None, None) if memory is not None or over_int4 is not None
@@ -479,20 +479,8 @@ def _run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------- --low int4
 
-_INT4_BUDGET = re.compile(r"^\+?\s*(?P<value>\d+(\.\d+)?|\.\d+)\s*%\s*int4$", re.IGNORECASE)
 #: --low int4's price points: memory over the uniform W4A16 folder
 INT4_POINTS = (0.05, 0.10, 0.25)
-
-
-def _parse_int4_budget(text: str) -> float | None:
-    """``"+10%int4"`` -> 0.10 (memory over the uniform W4A16 folder); None for a budget in another form."""
-    m = _INT4_BUDGET.match(str(text).strip())
-    if m is None:
-        return None
-    value = float(m.group("value")) / 100
-    if not 0 < value <= 10:
-        raise ProfileError(f"--budget {text}: memory over the uniform W4A16 model must be in (0, 1000]%")
-    return value
 
 
 def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype, over_int4: float | None,
@@ -511,6 +499,7 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
         _largest_group,
         ct_rung_gains,
         ct_rung_prices,
+        ct_shapes,
         ct_tensor_bytes,
         int4_fake_quant,
         int8_fake_quant,
@@ -551,9 +540,7 @@ def _run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtyp
         groups, no_layout = None, str(e)
 
     # the one currency: the folder's tensor bytes over the uniform W4A16 folder (gnmr_hf.planning.int4.ct_tensor_bytes)
-    decoder = set(linears)
-    shapes = {n: (mods[n].out_features, mods[n].in_features, mods[n].bias is not None) for n in linears}
-    other = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
+    shapes, other = ct_shapes(model, linears)
     w4a16 = ct_tensor_bytes(shapes, {}, other, gs)
     all_bf16 = ct_tensor_bytes(shapes, dict.fromkeys(linears, "bf16"), other, gs) - w4a16
     if over_int4 is not None:

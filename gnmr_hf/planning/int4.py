@@ -146,6 +146,16 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
     return units
 
 
+def ct_shapes(model, linears: list[str]) -> tuple[dict[str, tuple[int, int, bool]], int]:
+    """What :func:`ct_tensor_bytes` prices a model by: each decoder linear's ``(out, in, has bias)`` and the
+    number of every other parameter (tied ones once), for ``gnmr-hf profile --low int4`` and the export alike."""
+    modules = dict(model.named_modules())
+    decoder = set(linears)
+    shapes = {n: (modules[n].out_features, modules[n].in_features, modules[n].bias is not None) for n in linears}
+    other = sum(p.numel() for n, p in model.named_parameters() if n.rsplit(".", 1)[0] not in decoder)
+    return shapes, other
+
+
 def ct_tensor_bytes(shapes: Mapping[str, tuple[int, int, bool]], rungs: Mapping[str, str], other_params: int,
                     group_size: int = 128) -> int:
     """The bytes of the tensors a compressed-tensors folder stores (safetensors data, headers aside): per
