@@ -42,8 +42,12 @@ METHODS = ("dense", "dst", "smet", "gnmr", "random_budget")
 
 
 def dense_key(setting: str) -> str:
-    """Dense training ignores the density: settings that differ only in it share one dense run."""
-    return "bytes-d0.2-lr1e-2" if setting == "bytes-d0.2-lr1e-2" else "bytes-d0.2"
+    """Dense training ignores every ``sparse.*`` override: settings that differ only there share one dense run,
+    the first such setting's."""
+    def rest(s: str) -> list[str]:
+        return [o for o in SETTINGS[s] if not o.startswith("sparse.")]
+
+    return next(s for s in SETTINGS if rest(s) == rest(setting))
 
 
 def run_dir(work: Path, setting: str, method: str, seed: int) -> Path:
