@@ -53,23 +53,6 @@ def rung_prices(numel: int, rows: int, low: str = "nf4", double_quant: bool = Fa
     return {r: weight_bytes(numel, rows, r).total - base for r in RUNGS}
 
 
-def _checkpoint_weights(model_path: str | os.PathLike, names: list[str]) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    wanted = {f"{n}.weight" for n in names}
-    out = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                if k in wanted:
-                    out[k[: -len(".weight")]] = fh.get_tensor(k)
-    missing = sorted(set(names) - set(out))
-    if missing:
-        raise ValueError(f"{model_path} has no weight for {len(missing)} linear(s), e.g. {missing[0]}: "
-                         "another checkpoint than the model's?")
-    return out
-
-
 def decoder_low_linears(model) -> list[str]:
     """The 4-bit / 8-bit linears inside the decoder layers of a stock-loaded model, in module order."""
     import bitsandbytes as bnb
@@ -80,7 +63,7 @@ def decoder_low_linears(model) -> list[str]:
 
 class _CheckpointLinears:
     """Where each linear's checkpoint weight lies (file and key, read from the safetensors headers), so that the
-    weights are read one at a time, when needed, instead of all held at once (:func:`_checkpoint_weights`)."""
+    weights are read one at a time, when needed (``self[name]``), instead of all held at once."""
 
     def __init__(self, model_path: str | os.PathLike, names: list[str]):
         from safetensors import safe_open
@@ -134,8 +117,7 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
         units.append(LadderUnit(n, numel, rows, prices=rung_prices(numel, rows, low, double_quant)))
     acc = {n: {r: 0.0 for r in RUNGS} for n in names}
 
-    def rung_output(name: str, rung: str, x):
-        w = weights[name]
+    def rung_output(name: str, rung: str, x, w):
         if rung == "bf16":
             return torch.nn.functional.linear(x, w.to(device=x.device, dtype=x.dtype))
         # the INT8 rung on the linear's device (a GPU-loaded model's hooks see CUDA inputs), as load_in_8bit
@@ -158,8 +140,9 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
                     # grad as in the forward (bitsandbytes takes another kernel for an input that needs none)
                     low_out = mod.forward(x.detach().requires_grad_(True)).detach()
                 with torch.no_grad():
+                    w = weights[name]  # read once for both rungs, freed with this call
                     for r in RUNGS:
-                        y = rung_output(name, r, x)
+                        y = rung_output(name, r, x, w)
                         d = (y.to(low_out.dtype) if r == "int8" else y) - low_out
                         del y
                         acc[name][r] -= float((g * d).sum(dtype=torch.float64))
@@ -357,7 +340,7 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     missing = [n for n in rungs if n not in modules or not isinstance(modules[n], torch.nn.Linear)]
     if missing:
         raise ValueError(f"{len(missing)} planned name(s) are not linears of {model_path}, e.g. {missing[0]}")
-    weights = _checkpoint_weights(model_path, [n for n, r in rungs.items() if r == "int8"])
+    weights = _CheckpointLinears(model_path, [n for n, r in rungs.items() if r == "int8"])
     for name, r in rungs.items():
         if r != "int8":
             continue
