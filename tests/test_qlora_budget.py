@@ -520,3 +520,31 @@ def test_a_late_plan_without_its_profile_is_refused_in_one_line(tmp_path):
                                          r"--write-profile first\)"):
         qb.main(["run", "--method", "late-op-10", "--seed", "0", "--out", str(root / "late-op-10" / "seed0"),
                  "--steps", "1"])
+
+
+def test_the_grouped_ladder_buys_whole_serving_groups(tmp_path):
+    """lad-grp-M: one rung per vLLM group (q/k/v, gate/up), priced and valued as its members' sums, worked
+    out by hand here; the free ladder at the same budget splits the groups."""
+    layer = "model.layers.0"
+    names = [f"{layer}.self_attn.{x}_proj" for x in "qkvo"] + [f"{layer}.mlp.{x}_proj" for x in ("gate", "up", "down")]
+    # per linear: int8 costs 30 bytes, bf16 90; gains chosen so that the free plan takes v_proj and up_proj alone
+    gains = {"q": 0.1, "k": 0.1, "v": 6.0, "o": 0.5, "gate": 0.2, "up": 4.0, "down": 0.3}
+    prof = {"nf4_model_bytes": 1000, "rungs": ["int8", "bf16"],
+            "units": [{"name": n, "numel": 64, "rows": 8, "gains": {"int8": gains[n.split(".")[-1][:-5]],
+                                                                  "bf16": gains[n.split(".")[-1][:-5]]},
+                       "prices": {"int8": 30, "bf16": 90}} for n in names]}
+    assert qb.parse_method("lad-grp-10") == ("lad-grp", 10) and "lad-grp-10" in qb.METHODS
+    free = qb.ladder_plan("lad", 10, prof)  # 100 bytes: v (6/30) then up (4/30) on INT8, then o (0.5/30)
+    assert free == {names[2]: "int8", names[5]: "int8", names[3]: "int8"}
+    # grouped, 100 bytes: qkv on INT8 costs 90 for 6.2 (0.069 a byte), gate_up 60 for 4.2 (0.07), o 30 for 0.5,
+    # down 30 for 0.3: gate_up first (60), then qkv does not fit (150), o (90), then down would make 120
+    grouped = qb.ladder_plan("lad-grp", 10, prof, "LlamaForCausalLM")
+    assert grouped == {names[4]: "int8", names[5]: "int8", names[3]: "int8"}
+    # 25 % (250 bytes): gate_up (60), qkv (150), o (180), down (210); no upgrade of 60+ bytes fits in 40
+    assert qb.ladder_plan("lad-grp", 25, prof, "LlamaForCausalLM") == {n: "int8" for n in names}
+    with pytest.raises(ValueError, match="architecture"):
+        qb.ladder_plan("lad-grp", 10, prof)
+
+
+def test_the_grouped_ladder_reads_the_architecture_from_the_settings_model(smollm2_dir):
+    assert qb.architecture(qb.check_setting(dict(qb.DEFAULT_SETTING))) == "LlamaForCausalLM"

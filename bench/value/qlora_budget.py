@@ -41,6 +41,8 @@ method                  linears on the BF16 path
                         path with those rungs (``prepare_dual_path(..., rungs=...)``), fixed
 ``lad-int8-M``          the same knapsack with the INT8 rung only
 ``lad-bf16-M``          the same knapsack with the BF16 rung only (today's plan, priced in memory over NF4)
+``lad-grp-M``           the ladder over whole vLLM serving groups (q/k/v and gate/up of a layer on one rung, the
+                        group's price and gain the sums of its members': ``choose_rungs(..., groups=...)``)
 ======================  ==========================================================================================
 
 Two currencies: ``-B`` is a share of the quantised weights' BF16 bytes (the first methods); ``-M`` (the
@@ -134,10 +136,14 @@ TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
 # the data-free (or label-free) rankings at equal bytes: weight error per byte, output error, a fixed heuristic
 BASELINES = ("werr-op-10", "out-op-10", "heur-op-10")
 # the precision ladder at equal memory over NF4: the ladder, INT8 only, BF16 only (10 % first)
-LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",), "lad-fill": ("int8", "bf16")}
+LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",), "lad-fill": ("int8", "bf16"),
+          "lad-grp": ("int8", "bf16")}
 FILLED = ("lad-fill",)  # the ladder with its unspent bytes spent on INT8 -> BF16 upgrades (choose_rungs(fill=True))
-# lad-fill only at 25 %: at 5 and 10 % the knapsack spends the budget and its plan is lad's on both models
-LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER if k not in FILLED) + ("lad-fill-25",)
+GROUPED = ("lad-grp",)  # the ladder over whole vLLM serving groups (q/k/v and gate/up of a layer on one rung)
+# lad-fill only at 25 %: at 5 and 10 % the knapsack spends the budget and its plan is lad's on both models;
+# lad-grp at 10 %: the trained price of serving groups (bench/value/group_price.py prices them forward only)
+LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER if k not in (*FILLED, *GROUPED)) + (
+    "lad-fill-25", "lad-grp-10")
 METHODS = TIER1 + TIER2 + TIER3 + BASELINES + LADDER_METHODS
 # which file holds a kind's scores: profile.json (the product's first-order criterion, from labelled
 # batches) or profile_dataless.json (weight error needs no data; the output error needs inputs, no labels)
@@ -223,13 +229,33 @@ def static_set(kind: str, pct: int, unit_bytes: list[int], scores: list[float] |
     raise ValueError(f"{kind} has no fixed set")
 
 
-def ladder_plan(kind: str, pct: int, prof: dict[str, Any]) -> dict[str, str]:
-    """A ladder method's ``{linear: rung}`` from profile_ladder.json at ``pct`` % memory over the NF4 model."""
+def ladder_plan(kind: str, pct: int, prof: dict[str, Any], architecture: str | None = None) -> dict[str, str]:
+    """A ladder method's ``{linear: rung}`` from profile_ladder.json at ``pct`` % memory over the NF4 model.
+
+    ``lad-grp`` buys whole vLLM serving groups (``choose_rungs(..., groups=serving_groups(architecture,
+    linears))``): it needs the model's ``architecture`` (e.g. ``"Gemma3ForCausalLM"``, see :func:`architecture`)."""
     from gnmr_hf.planning.ladder import LadderUnit, choose_rungs
 
     units = [LadderUnit(u["name"], u["numel"], u["rows"], dict(u["gains"]), {r: int(b) for r, b in u["prices"].items()})
              for u in prof["units"]]
-    return choose_rungs(units, prof["nf4_model_bytes"] * pct // 100, LADDER[kind], fill=kind in FILLED)
+    groups = None
+    if kind in GROUPED:
+        from gnmr_hf.planning.groups import serving_groups
+
+        if not architecture:
+            raise ValueError(f"{kind} plans whole serving groups: give the model's architecture")
+        groups = serving_groups(architecture, [u.name for u in units])
+    return choose_rungs(units, prof["nf4_model_bytes"] * pct // 100, LADDER[kind], fill=kind in FILLED, groups=groups)
+
+
+def architecture(setting: dict[str, str]) -> str:
+    """The setting's model class as its config.json names it (``architectures[0]``), read without loading it."""
+    import finetune
+    from transformers import AutoConfig
+
+    recipe = finetune.load_config(["--config", str(recipe_of(setting))])
+    (arch,) = AutoConfig.from_pretrained(finetune.resolve_model_path(recipe.script.model)).architectures
+    return arch
 
 
 def served_units(kind: str, planned: list[int]) -> list[int]:
@@ -566,8 +592,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if needed is not None and not needed.is_file():  # before the model loads
         raise SystemExit(f"{args.method} needs {needed} (" + ("late-op: run bench/value/late_profile.py --write-profile first"
                          if kind == "late-op" else "the plan subcommand writes it before the runs") + ")")
-    rungs = ladder_plan(kind, pct, json.loads(ladder_path(out_root).read_text())) if kind in LADDER else None
     setting = read_setting(out_root)
+    rungs = (ladder_plan(kind, pct, json.loads(ladder_path(out_root).read_text()),
+                         architecture(setting) if kind in GROUPED else None) if kind in LADDER else None)
     model, tokenizer, recipe, model_path = build(out, args.seed, args.steps, data_dir, rungs=rungs, setting=setting)
     units = resolve_units(model)  # the linears (recorded by prepare_dual_path)
     U = len(units)
@@ -1293,7 +1320,7 @@ def plot_ladder(runs, path: str, out: Path) -> None:
 
     prof = read_ladder_profile(out)
     labels = {"lad": "ladder (INT8 + BF16)", "lad-int8": "INT8 only", "lad-bf16": "BF16 only",
-              "lad-fill": "ladder, unspent bytes on INT8 -> BF16 upgrades"}
+              "lad-fill": "ladder, unspent bytes on INT8 -> BF16 upgrades", "lad-grp": "ladder, whole vLLM groups"}
 
     def spent(method: str) -> float | None:  # a plan's memory over NF4, in %: it may stop short of its budget
         mem = spent_over_nf4(runs.get(method, {}).values(), prof)
