@@ -149,12 +149,17 @@ def _recipe_precision(name: str) -> str:
 
 @pytest.mark.slow
 def test_dry_run_13b_shape_and_recipes_report_real_runs(dry_run):
-    _, report, md, _ = dry_run
+    _, report, md, out = dry_run
     shape = report["stages"]["shape_13b"]
     assert [r["precision"] for r in shape["results"]] == ["bf16", "int8", "gnmr"]
     assert shape["dry_run"] is True and shape["layers"] == 2
     for row in shape["results"]:
         assert row["steps"] == 2 and _finite(row["final_loss"]) and _finite(row["median_step_s"])
+        assert row["peak_memory_gib"] > 0
+    assert shape["results"][2]["promotion_ratio"] is not None  # the gnmr run's controller reported
+    printed = (out / shape["log"]).read_text()  # bench/gpu/gpu_13b_shape.py's own output
+    for precision in ("bf16", "int8", "gnmr"):
+        assert f"{precision}: median step" in printed
     recipes = {r["precision"]: r for r in report["stages"]["recipes"]}
     assert sorted(recipes) == gpu_check.recipe_precisions()
     assert {"bf16", "int8", "gnmr", "nf4", "gnmr-nf4"} <= set(recipes)

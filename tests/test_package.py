@@ -35,9 +35,14 @@ def test_import_gnmr_hf_is_light():
 def test_callback_imports_nothing_beyond_transformers_own():
     # transformers' TrainerCallback module itself imports peft and bitsandbytes when they are installed;
     # the callback must add nothing to that (in particular not lm_eval)
-    baseline = _modules_after("import transformers.trainer_callback")
-    loaded = _modules_after("import gnmr_hf\ngnmr_hf.GNMRCallback")
-    assert "transformers" in loaded  # the thing compared really was imported
+    # one fresh interpreter: what transformers' callback module loads, then what the callback adds to it
+    names = "('transformers', 'peft', 'bitsandbytes', 'lm_eval', 'accelerate', 'datasets')"
+    probe = (f"import sys\nimport transformers.trainer_callback\nprint(' '.join(m for m in {names} if m in sys.modules))\n"
+             f"import gnmr_hf\ngnmr_hf.GNMRCallback\nprint(' '.join(m for m in {names} if m in sys.modules))\n"
+             "print(type(gnmr_hf.GNMRCallback).__name__, gnmr_hf.GNMRCallback.__module__)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.splitlines()
+    baseline, loaded = out[0].split(), out[1].split()
+    assert "transformers" in loaded and out[2].startswith("type gnmr_hf.")  # the callback really was imported
     assert loaded == baseline and "lm_eval" not in loaded
 
 

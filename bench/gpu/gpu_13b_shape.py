@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import torch
-    from transformers import TrainerCallback
 
     on_gpu = torch.cuda.is_available()
     if args.dry_run:
@@ -111,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         shape, layers, steps, warmup, seq_len = SHAPE_13B, args.layers, args.steps, args.warmup, args.seq_len
+    from transformers import TrainerCallback  # after the GPU check: a refusal pays torch's import only
     max_active = max(1, round(10 / 40 * layers))
     ft = load_recipe()
 
