@@ -260,6 +260,30 @@ def test_ladder_table_on_a_tiny_model(tiny_llama_dir, ids):
     assert len(text.splitlines()) == 2 + 6
 
 
+def test_ladder_table_loads_a_repeated_plan_once(tiny_llama_dir, ids, monkeypatch):
+    """A row whose plan equals an earlier row's (here: the same rung set twice at one budget) is not loaded
+    again; its figures are the earlier row's, which a fresh load of that plan reproduces exactly."""
+    batch = {"input_ids": ids, "labels": ids}
+    loads = []
+    real = ladder.load_planned
+
+    def counting(path, chosen, *a, **k):
+        loads.append(dict(chosen))
+        return real(path, chosen, *a, **k)
+
+    monkeypatch.setattr(ladder, "load_planned", counting)
+    table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.float32, points=(0.10,),
+                                rung_sets=(("int8",), ("int8",), ("bf16",)))
+    a, b, c = table["rows"]
+    assert a["rung_of"] == b["rung_of"] != c["rung_of"] and a["rung_of"]
+    # one load per distinct plan (beside the all-NF4 reference, an empty plan)
+    assert [x for x in loads if x] == [a["rung_of"], c["rung_of"]]
+    assert (a["loss"], a["gap_closed"], a["held_bytes"]) == (b["loss"], b["gap_closed"], b["held_bytes"])
+    mixed = real(tiny_llama_dir, a["rung_of"], "nf4", dtype=torch.float32, compute_dtype=torch.float32)
+    ladder._reference_layout(mixed)
+    assert ladder._loss(mixed.eval(), [batch]) == b["loss"]  # what a load of the repeated plan measures
+
+
 def test_rung_gains_form_logits_only_at_target_positions(tiny_llama_dir, ids, monkeypatch):
     # the ladder's profile takes the loss as the recipe's profile does (passes._loss): the head's logits are formed
     # in chunks at the positions with a target, never as the batch's full [batch, seq, vocab] logits

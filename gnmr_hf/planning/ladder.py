@@ -525,7 +525,8 @@ def ladder_table(model_path, batches, low: str = "nf4", dtype=None, points=MEMOR
                  rung_sets=RUNG_SETS, double_quant: bool = False, progress: bool = True) -> dict[str, Any]:
     """At each budget of memory over the all-``low`` model, the plan of each rung set (BF16 only, INT8
     only, the ladder), its first-order predicted gain and its measured loss on ``batches`` (each plan
-    loaded with :func:`load_planned`), with the gap closed ``(L_low - L) / (L_low - L_high)``."""
+    loaded with :func:`load_planned`; a plan equal to an earlier row's is not loaded again, its figures are
+    that row's), with the gap closed ``(L_low - L) / (L_low - L_high)``."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -560,19 +561,24 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
     del stock
     l_high = _loss(_all_bf16(model_path, dtype), batches)  # every decoder linear on BF16: no quantiser to load
     rows = []
+    measured: dict[tuple, tuple] = {}  # a plan already loaded and measured (e.g. INT8 only = the ladder at 5 %)
     for f in points:
         budget = int(f * low_bytes)
         for rs in rung_sets:
             chosen = choose_rungs(units, budget, rs)
             gain, price = plan_gain(units, chosen)
-            mixed = load_planned(model_path, chosen, low, dtype=dtype, compute_dtype=dtype, double_quant=double_quant)
-            if low != "int8":
-                _reference_layout(mixed)  # as _stock_low: the losses compare on one kernel
-            # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
-            # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
-            held = model_bytes(mixed)["total"] - loaded if dtype == torch.bfloat16 else None
-            loss = _loss(mixed.eval(), batches)
-            del mixed
+            key = tuple(sorted(chosen.items()))
+            if key not in measured:
+                mixed = load_planned(model_path, chosen, low, dtype=dtype, compute_dtype=dtype,
+                                     double_quant=double_quant)
+                if low != "int8":
+                    _reference_layout(mixed)  # as _stock_low: the losses compare on one kernel
+                # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
+                # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
+                held = model_bytes(mixed)["total"] - loaded if dtype == torch.bfloat16 else None
+                measured[key] = (held, _loss(mixed.eval(), batches))
+                del mixed
+            held, loss = measured[key]
             rows.append({"memory_over_low": f, "budget_bytes": budget, "rungs": "+".join(rs),
                          "int8": sum(r == "int8" for r in chosen.values()),
                          "bf16": sum(r == "bf16" for r in chosen.values()), "price_bytes": price, "held_bytes": held,
