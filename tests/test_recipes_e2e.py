@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -250,15 +251,22 @@ def test_bench_13b_shape_without_gpu_says_so():
 
 
 @pytest.mark.slow
-def test_demo_nf4_end_to_end_and_resume(tmp_path):
+def test_demo_nf4_end_to_end_and_resume(runs, tmp_path):
     out = tmp_path / "demo"
+    # gnmr-nf4 is this module's recipe run (the same overrides and 3 steps), copied where the demo keeps its run:
+    # the demo finds it complete and keeps it (a launch less), and trains planned-nf4 itself
+    shutil.copytree(runs["gnmr-nf4"], out / "gnmr-nf4")
+    kept_mtime = (out / "gnmr-nf4" / "run.json").stat().st_mtime
     # the installed console script, next to this interpreter
     cmd = [str(Path(sys.executable).parent / "gnmr-hf"), "demo", "--out", str(out), "--low", "nf4", "--precisions",
-           "planned-nf4,gnmr-nf4", "--max-steps", "2", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
+           "planned-nf4,gnmr-nf4", "--max-steps", "3", "--tasks", "wikitext", "--eval-limit", "1", "--threads", "1",
            "--set", "num_generated=16", "--set", "per_device_train_batch_size=2", "--set", "max_seq_len=64",
            "--set", "compute_dtype=float32"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=1200)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    assert "[demo] train gnmr-nf4 (2/2): complete in" in first.stdout  # kept, not trained again
+    assert (out / "gnmr-nf4" / "run.json").stat().st_mtime == kept_mtime
+    assert json.loads((out / "planned-nf4" / "run.json").read_text())["global_step"] == 3  # trained by the demo
     rows = json.loads((out / "summary_nf4.json").read_text())
     assert [r["run"] for r in rows] == ["base (no fine-tune)", "planned-nf4", "gnmr-nf4"]
     base, planned, gnmr = rows
@@ -269,12 +277,12 @@ def test_demo_nf4_end_to_end_and_resume(tmp_path):
     assert f"planned-nf4: {len(plan['indices'])} linears kept on BF16" in (out / "summary_nf4.md").read_text()
     assert planned["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]
     record = json.loads((out / "gnmr-nf4" / "run.json").read_text())
-    assert gnmr["steps"] == 2 and gnmr["final_loss"] == record["final_loss"]
+    assert gnmr["steps"] == 3 and gnmr["final_loss"] == record["final_loss"]
     assert gnmr["promotion_ratio"] == record["gnmr_summary"]["summary"]["promotion_ratio"]
     assert math.isfinite(base["wikitext_word_ppl"]) and math.isfinite(gnmr["wikitext_word_ppl"])
     assert base["wikitext_word_ppl"] != gnmr["wikitext_word_ppl"]  # the adapter changed the model
     table = (out / "summary_nf4.md").read_text()
-    assert table.startswith("| run | steps | loss first -> last |") and "| gnmr-nf4 | 2 |" in table
+    assert table.startswith("| run | steps | loss first -> last |") and "| gnmr-nf4 | 3 |" in table
     for png in ("loss_curves_nf4.png", "gnmr_heatmap_nf4.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "eval" / "gnmr-nf4.json").is_file()
