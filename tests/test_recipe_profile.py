@@ -1,4 +1,4 @@
-"""The recipe's ``profile:`` block: parse and refusals (fast), and a 3-step planned / hybrid SmolLM2 run (slow)."""
+"""The recipe's ``profile:`` block: parse and refusals (fast), and a 3-step planned / hybrid recipe run (slow)."""
 
 from __future__ import annotations
 
@@ -76,16 +76,29 @@ def test_profile_needs_a_recovery_path(precision):
         finetune.validate(recipe)
 
 
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory, smollm2_dir):
+    """A 2-layer tiny LLaMA over the SmolLM2 tokenizer's ids, with that tokenizer beside it (14 linears)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_tok"), num_layers=2, hidden=64, vocab_size=49152)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
 @pytest.mark.slow
-# planned-nf4 itself runs end to end in the demo's test (tests/test_recipes_e2e.py) and as the one-process reference
-# of tests/test_sharded_planned.py; planned-loftq-nf4 is planned-nf4.yaml plus LoftQ and gets every planned-nf4
-# assertion below
+# planned-nf4 itself runs end to end on the real SmolLM2 in the demo's test (tests/test_recipes_e2e.py) and as the
+# one-process reference of tests/test_sharded_planned.py; planned-loftq-nf4 is planned-nf4.yaml plus LoftQ and gets
+# every planned-nf4 assertion below. The recipes run here on a tiny LLaMA with SmolLM2's tokenizer (--model): the
+# profile block's plumbing through accelerate launch, not the real model's figures (a launch is mostly imports)
 @pytest.mark.parametrize("recipe", ["hybrid-nf4", "planned-loftq-nf4"])
-def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
+def test_profile_block_three_steps(tmp_path, recipe, tiny_tok):
     from tests.test_recipes_e2e import _launch, _trace
 
     out = tmp_path / recipe
-    proc = _launch("cpu.yaml", recipe, out, "--profile.budget", "5%")
+    proc = _launch("cpu.yaml", recipe, out, "--profile.budget", "25%", "--model", str(tiny_tok))
     record = json.loads((out / "run.json").read_text())
     if recipe == "planned-loftq-nf4":  # LoftQ after the plan, on every linear the plan left on NF4
         assert record["config"]["lora"]["lora_init"] == "loftq"
@@ -95,10 +108,11 @@ def test_profile_block_three_steps(tmp_path, recipe, smollm2_dir):
         assert "loftq" not in record
     assert record["status"] == "complete" and record["global_step"] == 3
     plan = record["profile"]["plan"]
-    # the one currency: 5 % of what every linear on BF16 adds over NF4; the plan's served price within it
+    # the one currency: 25 % of what every linear on BF16 adds over NF4; the plan's served price within it
     assert 0 < plan["price_over_nf4_bytes"] <= plan["budget_bytes"] and plan["indices"]
+    assert record["model_path"] == str(tiny_tok)
     saved = json.loads((out / "profile.json").read_text())
-    assert len(saved["units"]) == 210 and saved["plan"]["indices"] == plan["indices"]
+    assert len(saved["units"]) == 14 and saved["plan"]["indices"] == plan["indices"]
     assert saved["skip_modules"] == plan["skip_modules"]
     lines = _trace(out)
     assert [x["step"] for x in lines] == [1, 2, 3]
