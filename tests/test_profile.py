@@ -442,8 +442,10 @@ def test_smollm2_skip_list_loads_exactly_the_planned_linears(smollm2_dir):
 @pytest.mark.slow
 def test_cli_end_to_end_on_smollm2(smollm2_dir, tmp_path):
     out = tmp_path / "prof"
+    # the ladder's table (one load per plan) is checked on a tiny model in-process, below
     cmd = [sys.executable, "-m", "gnmr_hf.cli", "profile", "--model", str(smollm2_dir), "--low", "nf4", "--budget",
-           "10%", "--output", str(out), "--batches", "1", "--batch-size", "2", "--threads", "1", "--quiet"]
+           "10%", "--output", str(out), "--batches", "1", "--batch-size", "2", "--threads", "1", "--quiet",
+           "--no-ladder"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "price table" in r.stdout and "| 5 % |" in r.stdout and "| 25 % |" in r.stdout
@@ -461,10 +463,28 @@ def test_cli_end_to_end_on_smollm2(smollm2_dir, tmp_path):
     assert data["plan"]["bytes"] <= 0.1 * data["total_bytes"]
     assert [p["budget_fraction"] for p in data["price"]] == pytest.approx([0.05, 0.10, 0.25], abs=1e-6)
     assert (out / "profile.png").stat().st_size > 10_000
-    # the precision ladder's table beside the BF16-only one: 3 budgets x (BF16, INT8, ladder)
-    assert "ladder price table" in r.stdout and "| +10 % | int8+bf16 |" in r.stdout
-    rows = data["ladder"]["rows"]
-    assert [(x["memory_over_low"], x["rungs"]) for x in rows][:3] == [(0.05, "bf16"), (0.05, "int8"), (0.05, "int8+bf16")]
-    assert all(0 < x["price_bytes"] <= x["budget_bytes"] for x in rows)
+    assert "ladder price table" not in r.stdout and "ladder" not in data  # --no-ladder
     prof = SensitivityProfile.from_json(out / "profile.json")
     assert prof.score_names == ["first_order"]
+
+
+def test_cli_prints_and_records_the_ladder_table(tmp_path, capsys):
+    """The precision ladder's table beside the BF16-only one (3 budgets x BF16, INT8, the ladder), in stdout,
+    profile.json and profile.png; a tiny LLaMA in-process (the SmolLM2 run above passes --no-ladder)."""
+    from gnmr_hf.planning.cli import main
+    from tests.test_profile_faults_r3 import tiny_tokenizer
+
+    model = make_tiny_llama(tmp_path / "tiny")
+    tiny_tokenizer().save_pretrained(model)
+    out = tmp_path / "prof"
+    assert main(["--model", str(model), "--low", "nf4", "--budget", "10%", "--output", str(out), "--batches", "1",
+                 "--batch-size", "2", "--quiet"]) == 0
+    stdout = capsys.readouterr().out
+    assert "ladder price table" in stdout and "| +10 % | int8+bf16 |" in stdout
+    data = json.loads((out / "profile.json").read_text())
+    rows = data["ladder"]["rows"]
+    assert [(x["memory_over_low"], x["rungs"]) for x in rows] == [
+        (f, rs) for f in (0.05, 0.10, 0.25) for rs in ("bf16", "int8", "int8+bf16")]
+    assert all(0 <= x["price_bytes"] <= x["budget_bytes"] for x in rows) and rows[-1]["price_bytes"] > 0
+    assert all(math.isfinite(x["loss"]) for x in rows)
+    assert (out / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
