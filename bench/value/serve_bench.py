@@ -15,6 +15,12 @@ Rows, per model (the folder's tensor bytes and bytes on disk beside each):
 - ``random-S``: the same rungs drawn at random over the same groups at the same budget (groups in a seeded
   random order, each on a random rung while it fits, else INT8 while that fits), seeds ``--seeds``.
 
+``--adapter PATH --tag NAME``: the same rows for a fine-tune served merged: the LoRA adapter merged into the
+original BF16 weights (as ``export_compressed_tensors(..., adapter=...)`` merges it), written once as a BF16
+folder under ``--work``, and that merged model profiled, quantised and scored in place of the base (the
+``bf16`` row is the merged model itself); rows go to ``OUT/<model>+<NAME>.json``. E.g. a ladder fine-tune and
+an NF4 QLoRA one (``bench/value/qlora_budget.py run ... --save-adapter``), each re-quantised at equal bytes.
+
 The loss: mean next-token cross-entropy on every token of ``--heldout-blocks`` 256-token blocks of the
 held-out files (every 20th file of Debian's python3.11-doc sources, ``gnmr_hf.offline.text_data.text_task``,
 as bench/value/qlora_budget.py's pydocs task), forward only. The stock-loaded model decompresses its weights at
@@ -28,6 +34,7 @@ of every model done so far. The exported folders are written under ``--work`` an
 
     python bench/value/serve_bench.py --model smollm2-135m-instruct --group-size 64
     python bench/value/serve_bench.py --model gemma3-270m --group-size 128
+    python bench/value/serve_bench.py --model gemma3-270m --group-size 128 --adapter RUN/adapter --tag lad-10-seed0
 """
 
 from __future__ import annotations
@@ -109,6 +116,24 @@ def random_rungs(gunits: list, budget: int, seed: int) -> dict[str, str]:
     return chosen
 
 
+def merged_folder(base: Path, adapter: Path, folder: Path) -> Path:
+    """``adapter`` merged into ``base``'s BF16 weights (the export's own merge), saved once as a BF16 folder with
+    the tokenizer; reused when it is complete."""
+    done = folder / ".complete"
+    if done.is_file() and done.read_text() == str(adapter.resolve()):
+        return folder
+    from transformers import AutoTokenizer
+
+    from gnmr_hf.export_ct import _merged_bf16
+
+    log(f"merging {adapter} into {base}")
+    shutil.rmtree(folder, ignore_errors=True)
+    _merged_bf16(base, adapter).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    done.write_text(str(adapter.resolve()))
+    return folder
+
+
 def served_fp32(folder: Path, base: Path, probe):
     """The stock-loaded export's weights (decompressed at its first forward) in an FP32 copy of the model."""
     import torch
@@ -140,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--work", default="/tmp/serve_bench")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA folder: score the fine-tune merged (see above)")
+    p.add_argument("--tag", default=None, help="the adapter's name in the rows file (with --adapter)")
+    p.add_argument("--source", default=PYDOCS, help="the text folder (default: Debian's python3.11-doc sources)")
     args = p.parse_args(argv)
+    if (args.adapter is None) != (args.tag is None):
+        p.error("--adapter and --tag go together (the tag names the fine-tune's rows)")
+    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+        p.error(f"--adapter {args.adapter}: not a PEFT adapter folder (no adapter_config.json)")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -155,20 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     base = Path(resolve_model(args.model))
     tag = Path(args.model).name
+    setting = {"model": tag, "group_size": args.group_size, "over": args.over, "profile_blocks": args.profile_blocks,
+               "heldout_blocks": args.heldout_blocks, "block": BLOCK, "source": str(args.source), "seeds": args.seeds}
+    if args.adapter is not None:
+        tag = f"{tag}+{args.tag}"
+        setting.update(adapter=str(Path(args.adapter).resolve()), tag=args.tag)
+        base = merged_folder(base, Path(args.adapter), Path(args.work) / tag / "merged")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows_path, plans_path = out / f"{tag}.json", out / f"{tag}_plans.json"
     doc = json.loads(rows_path.read_text()) if rows_path.is_file() else {}
-    setting = {"model": tag, "group_size": args.group_size, "over": args.over, "profile_blocks": args.profile_blocks,
-               "heldout_blocks": args.heldout_blocks, "block": BLOCK, "source": PYDOCS, "seeds": args.seeds}
     if doc and doc.get("setting") != setting:
         raise SystemExit(f"{rows_path} was measured with {doc.get('setting')}; move it away to measure {setting}")
     doc = doc or {"setting": setting, "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
                   "rows": {}}
 
     tok = AutoTokenizer.from_pretrained(base)
-    log(f"{tag}: tokenising {PYDOCS}")
-    train, held, summary = text_task(PYDOCS, tok, BLOCK)
+    log(f"{tag}: tokenising {args.source}")
+    train, held, summary = text_task(args.source, tok, BLOCK)
     prof_blocks, held_blocks = spaced(train, args.profile_blocks), spaced(held, args.heldout_blocks)
     doc["data"] = {k: summary[k] for k in ("files", "train_files", "heldout_files", "train_blocks", "heldout_blocks")}
     doc["data"]["heldout_tokens_scored"] = sum(sum(t != -100 for t in b["labels"][1:]) for b in held_blocks)
@@ -235,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_table(out: Path) -> None:
     """``OUT/serve.md``: every model's rows, with the gap closed and the random rows' median [min, max]."""
     mib = 2**20
-    lines = ["# Value at serving time: compressed-tensors checkpoints of the base models", "",
+    lines = ["# Value at serving time: compressed-tensors checkpoints of the base models (and merged fine-tunes)", "",
              "Written by bench/value/serve_bench.py (its docstring: the rows, the data, how each is loaded and scored). "
              "Held-out loss on the Python docs (every 20th file), the export read back with stock "
              "`from_pretrained(folder)`; gap closed = (L_W4A16 - L) / (L_W4A16 - L_BF16).", ""]
@@ -244,11 +280,13 @@ def write_table(out: Path) -> None:
             continue
         doc = json.loads(path.read_text())
         st, rows = doc["setting"], doc["rows"]
-        lines += [f"## {st['model']} (W4A16 group {st['group_size']}, budget +{100 * st['over']:.0f} % over uniform W4A16)",
+        name = st["model"] + (f"+{st['tag']}" if st.get("tag") else "")
+        lines += [f"## {name} (W4A16 group {st['group_size']}, budget +{100 * st['over']:.0f} % over uniform W4A16)",
                   "", f"`{doc['command']}`", "",
                   f"Held-out: {st['heldout_blocks']} blocks of {st['block']} tokens "
                   f"({doc['data']['heldout_tokens_scored']} scored tokens); plan profiled on {st['profile_blocks']} "
-                  "training blocks.", "",
+                  "training blocks." + (f" The LoRA adapter `{st['adapter']}` merged into the BF16 weights first: every "
+                                        "row is that fine-tune." if st.get("adapter") else ""), "",
                   "| row | W4A16 / W8A16 / BF16 linears | tensor bytes | over W4A16 | on disk | held-out loss | gap closed |",
                   "|---|---|---|---|---|---|---|"]
         w4, bf = rows.get("w4a16", {}).get("loss"), rows.get("bf16", {}).get("loss")
