@@ -53,6 +53,17 @@ def smollm2_dir():
         pytest.fail(f"{e} (the test setup installs it: see .ci/run)")
 
 
+@pytest.fixture(scope="session")
+def tiny_tok(tmp_path_factory, smollm2_dir):
+    """A 2-layer tiny LLaMA over the SmolLM2 tokenizer's 49,152 ids, with that tokenizer beside it (14 linears):
+    recipe runs through accelerate launch that check plumbing, not the real model's figures."""
+    from transformers import AutoTokenizer
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_tok"), num_layers=2, hidden=64, vocab_size=49152)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
 def load_bench(name: str):
     """The benchmark script ``bench/{name}.py`` or ``bench/<question>/{name}.py`` as a module (bench/ is scripts,
     not a package; the shared run loop is ``bench/runner.py``, the scripts sit in one sub-folder per question)."""

@@ -76,18 +76,6 @@ def test_profile_needs_a_recovery_path(precision):
         finetune.validate(recipe)
 
 
-@pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory, smollm2_dir):
-    """A 2-layer tiny LLaMA over the SmolLM2 tokenizer's ids, with that tokenizer beside it (14 linears)."""
-    from transformers import AutoTokenizer
-
-    from tests.conftest import make_tiny_llama
-
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_tok"), num_layers=2, hidden=64, vocab_size=49152)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow
 # planned-nf4 itself runs end to end on the real SmolLM2 in the demo's test (tests/test_recipes_e2e.py) and as the
 # one-process reference of tests/test_sharded_planned.py; planned-loftq-nf4 is planned-nf4.yaml plus LoftQ and gets

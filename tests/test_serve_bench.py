@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import load_bench, make_tiny_llama
+from tests.conftest import load_bench
 
 pytest.importorskip("compressed_tensors")
 peft = pytest.importorskip("peft")
@@ -16,14 +16,13 @@ serve_bench = load_bench("serve_bench")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, smollm2_dir):
+def setup(tmp_path_factory, tiny_tok):
     """A tiny LLaMA over SmolLM2's tokenizer, a LoRA adapter on it with B drawn at random (so merging moves the
     weights), and 40 short text files (every 20th held out)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("serve")
-    model_dir = make_tiny_llama(root / "tiny", num_layers=2, hidden=64, vocab_size=49152)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(model_dir)
+    model_dir = tiny_tok
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
     g = torch.Generator().manual_seed(0)
@@ -52,7 +51,8 @@ def test_the_adapter_route_scores_the_merged_fine_tune(setup, tmp_path):
     model_dir, adapter, text = setup
     out, work = tmp_path / "out", tmp_path / "work"
     assert serve_bench.main(_args(setup, out, work, "--adapter", str(adapter), "--tag", "ft")) == 0
-    doc = json.loads((out / "tiny+ft.json").read_text())
+    name = model_dir.name  # the rows file is named by the model folder
+    doc = json.loads((out / f"{name}+ft.json").read_text())
     assert doc["setting"]["adapter"] == str(adapter.resolve())
     assert set(doc["rows"]) == {"bf16", "w4a16", "planned", "random-0"}
     # the bf16 row is the adapter merged into the BF16 weights (as the export merges it), scored independently here
@@ -67,12 +67,12 @@ def test_the_adapter_route_scores_the_merged_fine_tune(setup, tmp_path):
     assert doc["rows"]["bf16"]["loss"] == pytest.approx(serve_bench.heldout_loss(merged, blocks, 2), rel=1e-6)
     # the base model's rows differ: the merge moved the weights
     assert serve_bench.main(_args(setup, out, work)) == 0
-    base = json.loads((out / "tiny.json").read_text())
+    base = json.loads((out / f"{name}.json").read_text())
     assert "adapter" not in base["setting"]
     assert base["rows"]["bf16"]["loss"] != doc["rows"]["bf16"]["loss"]
     assert base["rows"]["w4a16"]["loss"] != doc["rows"]["w4a16"]["loss"]
     table = (out / "serve.md").read_text()
-    assert "## tiny+ft " in table and "merged into the BF16 weights first" in table and "## tiny " in table
+    assert f"## {name}+ft " in table and "merged into the BF16 weights first" in table and f"## {name} " in table
 
 
 def test_adapter_and_tag_go_together(setup, tmp_path, capsys):

@@ -93,18 +93,6 @@ def ranks(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory, smollm2_dir):
-    """A 2-layer tiny LLaMA over the SmolLM2 tokenizer's 49,152 ids, with that tokenizer beside it."""
-    from transformers import AutoTokenizer
-
-    from tests.conftest import make_tiny_llama
-
-    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_tok"), num_layers=2, hidden=64, vocab_size=49152)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
-    return path
-
-
 class _Runs(dict):
     def __init__(self, root: Path, model: Path):
         super().__init__()
