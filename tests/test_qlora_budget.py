@@ -548,3 +548,19 @@ def test_the_grouped_ladder_buys_whole_serving_groups(tmp_path):
 
 def test_the_grouped_ladder_reads_the_architecture_from_the_settings_model(smollm2_dir):
     assert qb.architecture(qb.check_setting(dict(qb.DEFAULT_SETTING))) == "LlamaForCausalLM"
+
+
+def test_plan_save_adapters_gives_every_run_its_adapter_folder(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(qb.runner, "run_plan", seen.extend)
+    argv = ["plan", "--out", str(tmp_path), "--methods", "nf4,lad-grp-10", "--seeds", "0,1", "--oracle-every", "0"]
+    qb.main(argv)
+    runs = [j for j in seen if isinstance(j.key, tuple)]
+    assert len(runs) == 4 and not any("--save-adapter" in j.cmd for j in runs)  # off by default
+    seen.clear()
+    qb.main(argv + ["--save-adapters"])
+    runs = [j for j in seen if isinstance(j.key, tuple)]
+    assert len(runs) == 4
+    for job in runs:
+        method, seed = job.key
+        assert job.cmd[job.cmd.index("--save-adapter") + 1] == str(tmp_path / method / f"seed{seed}" / "adapter")

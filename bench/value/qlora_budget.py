@@ -1018,6 +1018,8 @@ def plan(args: argparse.Namespace) -> None:
                "--data-dir", str(out / "data"), "--eval-every", str(args.eval_every)]
         if method.startswith("oracle:"):
             cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
+        elif args.save_adapters:  # the adapter beside its result (serving a fine-tune: bench/value/serve_bench.py)
+            cmd += ["--save-adapter", str(run_dir / "adapter")]
         jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
                                needs=profile_needs(method), label=f"{method} seed {seed}"))
     runner.run_plan(jobs)
@@ -1408,6 +1410,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--eval-every", type=int, default=0, help="passed to every run: the length curve")
     pl.add_argument("--workers", type=int, default=1)
     pl.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    pl.add_argument("--save-adapters", action="store_true",
+                    help="keep every run's trained LoRA adapter in <run>/adapter (PEFT files), e.g. to serve it merged")
     pl.add_argument("--oracle-every", type=int, default=2,
                     help=f"after the table: {ORACLE_METHOD} seed 0 with the oracle probe every K steps (0: none)")
     bd = sub.add_parser("bundled", help="retrain --methods with the adapter kept and score them with the bundled eval")
