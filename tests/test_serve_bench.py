@@ -50,11 +50,12 @@ def _args(setup, out, work, *extra):
 def test_the_adapter_route_scores_the_merged_fine_tune(setup, tmp_path):
     model_dir, adapter, text = setup
     out, work = tmp_path / "out", tmp_path / "work"
-    assert serve_bench.main(_args(setup, out, work, "--adapter", str(adapter), "--tag", "ft")) == 0
+    # a bare --seeds: no random rows (the fine-tune runs of bench/results/serve)
+    assert serve_bench.main(_args(setup, out, work, "--adapter", str(adapter), "--tag", "ft", "--seeds")) == 0
     name = model_dir.name  # the rows file is named by the model folder
     doc = json.loads((out / f"{name}+ft.json").read_text())
-    assert doc["setting"]["adapter"] == str(adapter.resolve())
-    assert set(doc["rows"]) == {"bf16", "w4a16", "planned", "random-0"}
+    assert doc["setting"]["adapter"] == str(adapter.resolve()) and doc["setting"]["seeds"] == []
+    assert set(doc["rows"]) == {"bf16", "w4a16", "planned"}
     # the bf16 row is the adapter merged into the BF16 weights (as the export merges it), scored independently here
     from transformers import AutoTokenizer
 
@@ -68,7 +69,7 @@ def test_the_adapter_route_scores_the_merged_fine_tune(setup, tmp_path):
     # the base model's rows differ: the merge moved the weights
     assert serve_bench.main(_args(setup, out, work)) == 0
     base = json.loads((out / f"{name}.json").read_text())
-    assert "adapter" not in base["setting"]
+    assert "adapter" not in base["setting"] and set(base["rows"]) == {"bf16", "w4a16", "planned", "random-0"}
     assert base["rows"]["bf16"]["loss"] != doc["rows"]["bf16"]["loss"]
     assert base["rows"]["w4a16"]["loss"] != doc["rows"]["w4a16"]["loss"]
     table = (out / "serve.md").read_text()
@@ -83,3 +84,37 @@ def test_adapter_and_tag_go_together(setup, tmp_path, capsys):
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--adapter and --tag go together" in err and "not a PEFT adapter folder" in err
+
+
+def _rows_file(out, model, tag, losses):
+    setting = {"model": model, "group_size": 64, "over": 0.1, "heldout_blocks": 2, "block": 256, "profile_blocks": 2}
+    if tag:
+        setting.update(tag=tag, adapter=f"/runs/{tag}/adapter")
+    rows = {k: {"loss": v, "tensor_bytes": 100, "bytes_on_disk": 100, "schemes": {"W4A16": 1}} for k, v in losses.items()}
+    name = model + (f"+{tag}" if tag else "")
+    (out / f"{name}.json").write_text(json.dumps({"setting": setting, "rows": rows, "command": "python x",
+                                                  "uniform_w4a16_tensor_bytes": 100, "data": {"heldout_tokens_scored": 9}}))
+
+
+def test_the_fine_tune_section_compares_each_seed_with_the_nf4_fine_tune_of_that_seed(tmp_path):
+    _rows_file(tmp_path, "m", None, {"bf16": 2.0, "w4a16": 3.0, "planned": 2.5})  # the base: not a fine-tune
+    _rows_file(tmp_path, "m", "nf4-seed0", {"bf16": 2.0, "w4a16": 3.0, "planned": 2.4})
+    _rows_file(tmp_path, "m", "nf4-seed1", {"bf16": 2.2, "w4a16": 3.2, "planned": 2.8})
+    _rows_file(tmp_path, "m", "lad-grp-10-seed0", {"bf16": 1.9, "w4a16": 2.9, "planned": 2.3})
+    _rows_file(tmp_path, "m", "lad-grp-10-seed1", {"bf16": 2.0, "w4a16": 3.0, "planned": 2.6})
+    _rows_file(tmp_path, "m", "lad-grp-10-seed2", {"bf16": 2.0, "w4a16": 3.0, "planned": 2.5})  # no nf4 seed 2
+    _rows_file(tmp_path, "m", "ft", {"bf16": 1.0, "w4a16": 1.5, "planned": 1.2})  # not <method>-seed<S>: left out
+    assert set(serve_bench.finetune_rows(tmp_path)) == {"m nf4", "m lad-grp-10"}
+    lines = serve_bench.finetune_table(tmp_path)
+    # nf4: planned 2.4 / 2.8, gap closed (3.0 - 2.4) / 1.0 = 0.6 and (3.2 - 2.8) / 1.0 = 0.4
+    assert "| m nf4 | 2 | 2.1000 [2.0000, 2.2000] | 3.1000 [3.0000, 3.2000] | 2.6000 [2.4000, 2.8000] | " \
+           "0.500 [0.400, 0.600] |" in lines
+    # lad-grp-10: 3 seeds, planned 2.3 / 2.6 / 2.5 (median 2.5); gaps 0.6 / 0.4 / 0.5
+    assert "| m lad-grp-10 | 3 | 2.0000 [1.9000, 2.0000] | 3.0000 [2.9000, 3.0000] | 2.5000 [2.3000, 2.6000] | " \
+           "0.500 [0.400, 0.600] |" in lines
+    # against nf4 of the same seed (0 and 1 only): planned - w4a16 = 2.3 - 3.0, 2.6 - 3.2; planned - planned =
+    # 2.3 - 2.4, 2.6 - 2.8
+    assert "| m | lad-grp-10 | 0, 1 | -0.6500 [-0.7000, -0.6000] | -0.1500 [-0.2000, -0.1000] |" in lines
+    assert not any(line.startswith("| m ft") for line in lines)
+    serve_bench.write_table(tmp_path)
+    assert "## Fine-tunes served" in (tmp_path / "serve.md").read_text()

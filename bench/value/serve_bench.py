@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="offline alias or BF16 model folder")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--over", type=float, default=0.10, help="the budget: this fraction over uniform W4A16 bytes")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2],
+                   help="the random rows' seeds (none: no random rows)")
     p.add_argument("--profile-blocks", type=int, default=16)
     p.add_argument("--heldout-blocks", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=2)
@@ -304,7 +306,67 @@ def write_table(out: Path) -> None:
                       f"gap closed {(w4 - med) / (w4 - bf):.3f} [{(w4 - rand[-1]) / (w4 - bf):.3f}, "
                       f"{(w4 - rand[0]) / (w4 - bf):.3f}]."]
         lines.append("")
+    lines += finetune_table(out)
     (out / "serve.md").write_text("\n".join(lines))
+
+
+def finetune_rows(out: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """``{training method: {seed: {row: loss}}}`` of every fine-tune rows file tagged ``<method>-seed<S>``."""
+    found: dict[str, dict[int, dict[str, float]]] = {}
+    for path in sorted(out.glob("*.json")):
+        if path.name.endswith("_plans.json"):
+            continue
+        st = json.loads(path.read_text())
+        m = re.fullmatch(r"(.+)-seed(\d+)", st["setting"].get("tag") or "")
+        if m:
+            found.setdefault(f"{st['setting']['model']} {m[1]}", {})[int(m[2])] = {
+                k: r["loss"] for k, r in st["rows"].items()}
+    return found
+
+
+def _spread(xs: list[float], fmt: str = "{:.4f}") -> str:
+    xs = sorted(xs)
+    med = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    return fmt.format(med) + (f" [{fmt.format(xs[0])}, {fmt.format(xs[-1])}]" if len(xs) > 1 else "")
+
+
+def finetune_table(out: Path) -> list[str]:
+    """serve.md's fine-tune section: per training method, each row's loss over seeds (median [min, max]), and per
+    seed the ladder fine-tune served planned against the NF4 QLoRA fine-tune served uniformly and served planned
+    (the same seed's ``<model> nf4`` rows)."""
+    runs = finetune_rows(out)
+    if not runs:
+        return []
+    names = ("bf16", "w4a16", "planned")
+    lines = ["## Fine-tunes served (adapters tagged `<method>-seed<S>`: merged into BF16, then exported)", "",
+             "Held-out loss, median [min, max] over the seeds; gap closed = (L_W4A16 - L_planned) / (L_W4A16 - L_BF16) "
+             "of the same fine-tune.", "",
+             "| model, training method | seeds | bf16 (merged) | w4a16 | planned | gap closed |", "|---|---|---|---|---|---|"]
+    for key, seeds in runs.items():
+        full = [r for r in seeds.values() if all(n in r for n in names)]
+        if not full:
+            continue
+        gaps = [(r["w4a16"] - r["planned"]) / (r["w4a16"] - r["bf16"]) for r in full if r["w4a16"] != r["bf16"]]
+        lines.append(f"| {key} | {len(full)} | " + " | ".join(_spread([r[n] for r in full]) for n in names)
+                     + f" | {_spread(gaps, '{:.3f}') if gaps else '-'} |")
+    pairs = []
+    for key, seeds in runs.items():
+        model, method = key.rsplit(" ", 1)
+        ref = runs.get(f"{model} nf4", {})
+        if method == "nf4":
+            continue
+        both = [(s, seeds[s], ref[s]) for s in sorted(seeds) if s in ref
+                and "planned" in seeds[s] and all(n in ref[s] for n in ("w4a16", "planned"))]
+        if both:
+            pairs.append(f"| {model} | {method} | " + ", ".join(str(s) for s, _, _ in both) + " | "
+                         + _spread([a["planned"] - b["w4a16"] for _, a, b in both], "{:+.4f}") + " | "
+                         + _spread([a["planned"] - b["planned"] for _, a, b in both], "{:+.4f}") + " |")
+    if pairs:
+        lines += ["", "The fine-tune served planned against the NF4 QLoRA fine-tune of the same seed (loss difference, "
+                  "negative: lower loss; median [min, max] over seeds):", "",
+                  "| model | training method | seeds | planned - NF4 QLoRA's w4a16 (+10 % bytes) | "
+                  "planned - NF4 QLoRA's planned (equal bytes) |", "|---|---|---|---|---|", *pairs]
+    return [*lines, ""]
 
 
 if __name__ == "__main__":
