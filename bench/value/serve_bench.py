@@ -311,7 +311,8 @@ def write_table(out: Path) -> None:
 
 
 def finetune_rows(out: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """``{training method: {seed: {row: loss}}}`` of every fine-tune rows file tagged ``<method>-seed<S>``."""
+    """``{"<model> <training method>": {seed: {row: loss}}}`` of every fine-tune rows file tagged ``<method>-seed<S>``,
+    by model, NF4 QLoRA first."""
     found: dict[str, dict[int, dict[str, float]]] = {}
     for path in sorted(out.glob("*.json")):
         if path.name.endswith("_plans.json"):
@@ -321,7 +322,7 @@ def finetune_rows(out: Path) -> dict[str, dict[int, dict[str, float]]]:
         if m:
             found.setdefault(f"{st['setting']['model']} {m[1]}", {})[int(m[2])] = {
                 k: r["loss"] for k, r in st["rows"].items()}
-    return found
+    return dict(sorted(found.items(), key=lambda kv: (kv[0].rsplit(" ", 1)[0], kv[0].rsplit(" ", 1)[1] != "nf4", kv[0])))
 
 
 def _spread(xs: list[float], fmt: str = "{:.4f}") -> str:
