@@ -45,6 +45,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -301,7 +302,7 @@ def write_table(out: Path) -> None:
                          f"{r['loss']:.4f} | {'-' if gap is None else f'{gap:.3f}'} |")
         rand = sorted(r["loss"] for n, r in rows.items() if n.startswith("random-"))
         if rand and w4 is not None and bf is not None:
-            med = rand[len(rand) // 2] if len(rand) % 2 else (rand[len(rand) // 2 - 1] + rand[len(rand) // 2]) / 2
+            med = statistics.median(rand)
             lines += ["", f"Random allocation, {len(rand)} seeds: loss median {med:.4f} [{rand[0]:.4f}, {rand[-1]:.4f}], "
                       f"gap closed {(w4 - med) / (w4 - bf):.3f} [{(w4 - rand[-1]) / (w4 - bf):.3f}, "
                       f"{(w4 - rand[0]) / (w4 - bf):.3f}]."]
@@ -327,8 +328,7 @@ def finetune_rows(out: Path) -> dict[str, dict[int, dict[str, float]]]:
 
 def _spread(xs: list[float], fmt: str = "{:.4f}") -> str:
     xs = sorted(xs)
-    med = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-    return fmt.format(med) + (f" [{fmt.format(xs[0])}, {fmt.format(xs[-1])}]" if len(xs) > 1 else "")
+    return fmt.format(statistics.median(xs)) + (f" [{fmt.format(xs[0])}, {fmt.format(xs[-1])}]" if len(xs) > 1 else "")
 
 
 def finetune_table(out: Path) -> list[str]:
