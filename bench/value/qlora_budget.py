@@ -1018,7 +1018,7 @@ def plan(args: argparse.Namespace) -> None:
                "--data-dir", str(out / "data"), "--eval-every", str(args.eval_every)]
         if method.startswith("oracle:"):
             cmd += ["--oracle-every", str(args.oracle_every), "--root", str(out)]
-        elif args.save_adapters:  # the adapter beside its result (serving a fine-tune: bench/value/serve_bench.py)
+        elif getattr(args, "save_adapters", False):  # the adapter beside its result (serving a fine-tune: bench/value/serve_bench.py)
             cmd += ["--save-adapter", str(run_dir / "adapter")]
         jobs.append(runner.Job((method, seed), run_dir, cmd, run_dir / "result.json",
                                needs=profile_needs(method), label=f"{method} seed {seed}"))
