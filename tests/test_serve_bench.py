@@ -104,7 +104,7 @@ def test_the_fine_tune_section_compares_each_seed_with_the_nf4_fine_tune_of_that
     _rows_file(tmp_path, "m", "lad-grp-10-seed1", {"bf16": 2.0, "w4a16": 3.0, "planned": 2.6})
     _rows_file(tmp_path, "m", "lad-grp-10-seed2", {"bf16": 2.0, "w4a16": 3.0, "planned": 2.5})  # no nf4 seed 2
     _rows_file(tmp_path, "m", "ft", {"bf16": 1.0, "w4a16": 1.5, "planned": 1.2})  # not <method>-seed<S>: left out
-    assert list(serve_bench.finetune_rows(tmp_path)) == ["m nf4", "m lad-grp-10"]  # NF4 QLoRA first
+    assert list(serve_bench.finetune_rows(tmp_path)) == [("m", "nf4"), ("m", "lad-grp-10")]  # NF4 QLoRA first
     lines = serve_bench.finetune_table(tmp_path)
     # nf4: planned 2.4 / 2.8, gap closed (3.0 - 2.4) / 1.0 = 0.6 and (3.2 - 2.8) / 1.0 = 0.4
     assert "| m nf4 | 2 | 2.1000 [2.0000, 2.2000] | 3.1000 [3.0000, 3.2000] | 2.6000 [2.4000, 2.8000] | " \

@@ -311,19 +311,18 @@ def write_table(out: Path) -> None:
     (out / "serve.md").write_text("\n".join(lines))
 
 
-def finetune_rows(out: Path) -> dict[str, dict[int, dict[str, float]]]:
-    """``{"<model> <training method>": {seed: {row: loss}}}`` of every fine-tune rows file tagged ``<method>-seed<S>``,
+def finetune_rows(out: Path) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """``{(model, training method): {seed: {row: loss}}}`` of every fine-tune rows file tagged ``<method>-seed<S>``,
     by model, NF4 QLoRA first."""
-    found: dict[str, dict[int, dict[str, float]]] = {}
+    found: dict[tuple[str, str], dict[int, dict[str, float]]] = {}
     for path in sorted(out.glob("*.json")):
         if path.name.endswith("_plans.json"):
             continue
         st = json.loads(path.read_text())
         m = re.fullmatch(r"(.+)-seed(\d+)", st["setting"].get("tag") or "")
         if m:
-            found.setdefault(f"{st['setting']['model']} {m[1]}", {})[int(m[2])] = {
-                k: r["loss"] for k, r in st["rows"].items()}
-    return dict(sorted(found.items(), key=lambda kv: (kv[0].rsplit(" ", 1)[0], kv[0].rsplit(" ", 1)[1] != "nf4", kv[0])))
+            found.setdefault((st["setting"]["model"], m[1]), {})[int(m[2])] = {k: r["loss"] for k, r in st["rows"].items()}
+    return dict(sorted(found.items(), key=lambda kv: (kv[0][0], kv[0][1] != "nf4", kv[0][1])))
 
 
 def _spread(xs: list[float], fmt: str = "{:.4f}") -> str:
@@ -334,7 +333,7 @@ def _spread(xs: list[float], fmt: str = "{:.4f}") -> str:
 def finetune_table(out: Path) -> list[str]:
     """serve.md's fine-tune section: per training method, each row's loss over seeds (median [min, max]), and per
     seed the ladder fine-tune served planned against the NF4 QLoRA fine-tune served uniformly and served planned
-    (the same seed's ``<model> nf4`` rows)."""
+    (the same seed's ``(model, "nf4")`` rows)."""
     runs = finetune_rows(out)
     if not runs:
         return []
@@ -343,19 +342,18 @@ def finetune_table(out: Path) -> list[str]:
              "Held-out loss, median [min, max] over the seeds; gap closed = (L_W4A16 - L_planned) / (L_W4A16 - L_BF16) "
              "of the same fine-tune.", "",
              "| model, training method | seeds | bf16 (merged) | w4a16 | planned | gap closed |", "|---|---|---|---|---|---|"]
-    for key, seeds in runs.items():
+    for (model, method), seeds in runs.items():
         full = [r for r in seeds.values() if all(n in r for n in names)]
         if not full:
             continue
         gaps = [(r["w4a16"] - r["planned"]) / (r["w4a16"] - r["bf16"]) for r in full if r["w4a16"] != r["bf16"]]
-        lines.append(f"| {key} | {len(full)} | " + " | ".join(_spread([r[n] for r in full]) for n in names)
+        lines.append(f"| {model} {method} | {len(full)} | " + " | ".join(_spread([r[n] for r in full]) for n in names)
                      + f" | {_spread(gaps, '{:.3f}') if gaps else '-'} |")
     pairs = []
-    for key, seeds in runs.items():
-        model, method = key.rsplit(" ", 1)
-        ref = runs.get(f"{model} nf4", {})
+    for (model, method), seeds in runs.items():
         if method == "nf4":
             continue
+        ref = runs.get((model, "nf4"), {})
         both = [(s, seeds[s], ref[s]) for s in sorted(seeds) if s in ref
                 and "planned" in seeds[s] and all(n in ref[s] for n in ("w4a16", "planned"))]
         if both:
