@@ -108,3 +108,21 @@ def kept_figures(monkeypatch):
 
     yield new
     real_close("all")
+
+
+@pytest.fixture(params=["no-bf16-cpu", "bf16-cpu"])
+def bnb_cpu(request, monkeypatch):
+    """Both of bitsandbytes' CPU code paths for 4-bit layers, on any machine.
+
+    ``Linear4bit.__init__`` asks ``bitsandbytes.nn.modules.has_avx512bf16()`` whether this CPU has AVX512-BF16
+    and, if so, repacks the weight at its first eval-mode forward under ``no_grad`` (BF16 block scales, a BF16
+    kernel that bitsandbytes registers only on such CPUs). The probe is answered both ways here: ``"bf16-cpu"``
+    as on an AVX512-BF16 CPU (on a CPU without, a stock layer that is not kept on the reference layout then
+    repacks and computes its repacked weight with bitsandbytes' default kernel, which reads the reference
+    layout: wrong logits), ``"no-bf16-cpu"`` as on one without. A test that compares a stock bitsandbytes model with ours under this fixture therefore means
+    the same on every CPU: it passes on both answers or fails on both. The value is the answer
+    (True: the CPU repacks)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    answer = request.param == "bf16-cpu"
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: answer)
+    return answer

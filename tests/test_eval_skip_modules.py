@@ -46,7 +46,7 @@ def test_skip_modules_load_exactly_the_named_linears_unquantised(tiny3):
                if isinstance(m, torch.nn.Linear) and n != "lm_head")
 
 
-def test_mixed_base_computes_what_the_dual_path_model_computes(tiny3):
+def test_mixed_base_computes_what_the_dual_path_model_computes(tiny3, bnb_cpu):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     import gnmr_hf

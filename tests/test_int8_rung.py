@@ -69,7 +69,7 @@ def test_gradients_reach_the_input_as_through_stock_linear8bitlt(tiny_llama_dir)
     assert torch.equal(x1.grad, x2.grad)
 
 
-def test_load_planned_equals_the_dual_path_with_the_same_rungs_active(tiny_llama_dir, ids):
+def test_load_planned_equals_the_dual_path_with_the_same_rungs_active(tiny_llama_dir, ids, bnb_cpu):
     from gnmr_hf.backends.bnb_4bit import keep_reference_layout
 
     mixed = ladder.load_planned(tiny_llama_dir, RUNGS, dtype=torch.float32)

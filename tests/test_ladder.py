@@ -68,7 +68,7 @@ def test_bytes_per_rung_match_the_loaded_model(tiny_llama_dir):
     assert held["total"] == nf4 + extra  # exact on this layout
 
 
-def test_load_planned_with_bf16_rungs_equals_the_dual_path(tiny_llama_dir, ids):
+def test_load_planned_with_bf16_rungs_equals_the_dual_path(tiny_llama_dir, ids, bnb_cpu):
     import gnmr_hf
     from gnmr_hf.units import find_linear_units, short_name
     from tests.test_dual_path import load, logits
@@ -85,18 +85,28 @@ def test_load_planned_with_bf16_rungs_equals_the_dual_path(tiny_llama_dir, ids):
     assert torch.equal(logits(mixed.eval(), ids), logits(dual, ids))
 
 
-def test_load_planned_with_int8_rungs_equals_a_hand_built_model(tiny_llama_dir, ids):
+def test_load_planned_with_int8_rungs_equals_a_hand_built_model(tiny_llama_dir, ids, bnb_cpu):
+    """load_planned is the stock modules computing bitsandbytes' reference 4-bit path, on CPUs with and without
+    AVX512-BF16 (``bnb_cpu``): the hand-built stock model is kept on that layout too, else on an AVX512-BF16 CPU
+    it repacks at its first eval forward and computes with BF16 block scales (test_bnb_4bit_layout.py)."""
+    from gnmr_hf.backends.bnb_4bit import is_repacked, keep_reference_layout
     from tests.test_dual_path import logits
 
     mixed = ladder.load_planned(tiny_llama_dir, RUNGS, dtype=torch.bfloat16)
     hand = _stock(tiny_llama_dir, skip=list(RUNGS), dtype=torch.bfloat16)
+    four = [m for m in hand.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert four and all(m.support_avx512bf16_for_cpu is bnb_cpu for m in four)  # the probe answered as asked
+    keep_reference_layout(hand)
     stock8 = _stock(tiny_llama_dir, "int8", dtype=torch.bfloat16)
     for name, r in RUNGS.items():
         if r == "int8":
             parent, _, child = name.rpartition(".")
             setattr(dict(hand.named_modules())[parent], child, dict(stock8.named_modules())[name])
     assert torch.equal(logits(mixed.eval(), ids), logits(hand.eval(), ids))
-    assert not torch.equal(logits(mixed, ids), logits(_stock(tiny_llama_dir, dtype=torch.bfloat16), ids))
+    assert not any(is_repacked(m) for m in [*four, *mixed.modules()] if isinstance(m, bnb.nn.Linear4bit))
+    all_nf4 = _stock(tiny_llama_dir, dtype=torch.bfloat16)
+    keep_reference_layout(all_nf4)
+    assert not torch.equal(logits(mixed, ids), logits(all_nf4, ids))  # the rungs changed the logits
 
 
 def test_refusals(tiny_llama_dir):
