@@ -39,9 +39,11 @@ def read_loss_history(run_dir: str | os.PathLike) -> tuple[list[int], list[float
 
 def read_trace(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a ``gnmr_trace.jsonl`` in file order (``NaN``/``Infinity`` read as floats); a trace
-    kept compressed (only ``gnmr_trace.jsonl.gz`` on disk) is read the same."""
+    kept compressed (only ``gnmr_trace.jsonl.gz`` on disk) is read the same. A trace is written whole (a fresh
+    run empties it, a resumed one keeps the raw file's head), so a raw copy beside a compressed one is the newer
+    trace and is read alone."""
     rows = []
-    with open_text(path) as f:
+    with open_text(path, appended=False) as f:
         for line in f:
             line = line.strip()
             if line:
