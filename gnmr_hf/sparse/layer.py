@@ -20,11 +20,18 @@ topology updates (optimizer state and checkpoints stay valid): an update moves s
 The layer is a :class:`~gnmr_hf.backends.base.DualPathModule`: the forward is the same on both paths;
 ``recovery`` tells :class:`~gnmr_hf.sparse.optim.SparseAdamW` to give this layer's regrown weights
 SMET's optimizer-state warm-up (the low-cost path is the plain DST update). Only torch is imported.
+
+Densities the block granularity cannot give: ``k`` is a whole number of blocks, so the realised density
+``k / n_blocks`` is the requested one rounded to a multiple of ``1 / n_blocks``. A density that rounds to no
+block at all is refused (``ValueError``); one that rounds more than :data:`DENSITY_TOLERANCE` (relative) away,
+e.g. blocks as wide as the row in an 8-row linear at 0.1 (1 of 8 blocks: 0.125), is kept but warned about
+(``UserWarning`` naming the density obtained): ``layer.density`` and :func:`realised_density` give it.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +41,7 @@ from gnmr_hf.backends.base import DualPathModule
 from gnmr_hf.units import UnitSpec, resolve_units
 
 REGROW = ("set", "rigl")
+DENSITY_TOLERANCE = 0.1  # relative gap between the requested and the realised density above which it warns
 
 
 def _dense(values: torch.Tensor, index: torch.Tensor, n_blocks: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -103,12 +111,21 @@ class SparseLinear(nn.Linear, DualPathModule):
 
         Raises:
             TypeError: ``linear`` is not a plain ``nn.Linear``.
-            ValueError: ``density`` not in (0, 1], ``block_size`` not a positive divisor of ``in_features``.
+            ValueError: ``density`` not in (0, 1] or too low to keep one block, ``block_size`` not a positive
+                divisor of ``in_features``.
+
+        Warns:
+            UserWarning: the realised density (whole blocks) is more than :data:`DENSITY_TOLERANCE` (relative)
+                off ``density``; the message gives the density obtained.
         """
         if type(linear) is not nn.Linear:
             raise TypeError(f"SparseLinear.convert needs a plain nn.Linear, got {type(linear).__name__}")
         linear.__class__ = cls
-        linear._sparsify(density, block_size, generator)
+        try:
+            linear._sparsify(density, block_size, generator)
+        except ValueError:
+            linear.__class__ = nn.Linear  # refused before anything changed: the plain linear it was
+            raise
         return linear
 
     def _sparsify(self, density: float, block_size: int, generator: torch.Generator | None) -> None:
@@ -117,10 +134,20 @@ class SparseLinear(nn.Linear, DualPathModule):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
                 or self.in_features % block_size:
             raise ValueError(f"block_size must be a positive divisor of in_features={self.in_features}, got {block_size!r}")
+        n_blocks = self.out_features * self.in_features // block_size
+        k = min(n_blocks, round(density * n_blocks))
+        shape = f"{self.out_features}x{self.in_features} linear ({n_blocks} blocks of {block_size} weights)"
+        if k < 1:
+            raise ValueError(f"density={density!r} keeps no block of a {shape}: the lowest density it takes is one "
+                             f"block, 1/{n_blocks} = {1 / n_blocks:.4g}")
+        if abs(k / n_blocks - density) > DENSITY_TOLERANCE * density:
+            warnings.warn(f"density={density!r} on a {shape} is {k} blocks: density {k / n_blocks:.4g} obtained "
+                          f"({k / n_blocks / density - 1:+.0%}); a smaller block_size or a density near a multiple of "
+                          f"1/{n_blocks} comes closer", UserWarning, stacklevel=3)
         dense = self._parameters.pop("weight").detach()
         self.block_size = block_size
-        self.n_blocks = self.out_features * self.in_features // block_size
-        self.k = max(1, min(self.n_blocks, round(density * self.n_blocks)))
+        self.n_blocks = n_blocks
+        self.k = k
         self.density = self.k / self.n_blocks
         chosen = torch.randperm(self.n_blocks, generator=generator)[: self.k].sort().values.to(dense.device)
         self.values = nn.Parameter(dense.reshape(self.n_blocks, block_size).index_select(0, chosen).clone())
@@ -154,7 +181,14 @@ class SparseLinear(nn.Linear, DualPathModule):
         return 0
 
     def num_drop(self, drop_fraction: float) -> int:
-        """Blocks one update drops (and regrows): ``round(drop_fraction * k)``, at most the inactive count."""
+        """Blocks one update drops (and regrows): ``round(drop_fraction * k)``, at most the inactive count.
+
+        Raises:
+            ValueError: ``drop_fraction`` not a number in [0, 1].
+        """
+        if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, (int, float)) \
+                or not 0 <= drop_fraction <= 1:
+            raise ValueError(f"drop_fraction must be a number in [0, 1], got {drop_fraction!r}")
         return min(round(drop_fraction * self.k), self.n_blocks - self.k)
 
     @torch.no_grad()
@@ -165,7 +199,7 @@ class SparseLinear(nn.Linear, DualPathModule):
         slots.
 
         Args:
-            drop_fraction: share of the active blocks replaced.
+            drop_fraction: share of the active blocks replaced, in [0, 1] (``ValueError`` otherwise).
             regrow: ``"set"`` (uniformly at random, ``generator``) or ``"rigl"`` (largest L1 norm of ``grad``).
             grad: the dense weight gradient ``[out, in]`` (RigL).
 

@@ -49,6 +49,10 @@ class SparseAdamW(torch.optim.Optimizer):
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0 (it keeps the Adam denominator away from 0), got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be a positive integer, got {warmup_steps!r}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
