@@ -34,6 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gnmr-hf: unknown command {name!r}; choose one of {', '.join(_COMMANDS)} (gnmr-hf --help)",
               file=sys.stderr)
         return 2
+    # a misspelt model, a missing --data, a budget that does not parse: refused before torch and transformers
+    from gnmr_hf.preflight import check_command
+
+    why = check_command(name, rest)
+    if why:
+        print(f"gnmr-hf {name}: error: {why}", file=sys.stderr)
+        return 2
     from gnmr_hf._import_utils import quiet_import_noise
 
     quiet_import_noise()

@@ -149,3 +149,48 @@ def parse_memory_budget(text: str, lows: tuple[str, ...] = ("nf4", "fp4", "int8"
     if not 0 < value <= 10:
         raise ValueError(f"budget {text!r}: memory over the low model must be in (0, 1000]%")
     return value, m.group("low").lower()
+
+
+_UNITS = {"b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(text: str) -> tuple[int | None, float | None]:
+    """``"10%"`` -> (None, 0.1); ``"0.1"`` -> (None, 0.1); ``"300MB"``, ``"2GiB"``, ``"123456B"`` -> (bytes, None).
+
+    Units: ``%`` (of the quantised weights' BF16 bytes, in (0, 100]), ``B``, ``KB``/``KiB``, ``MB``/``MiB``,
+    ``GB``/``GiB`` (1000 and 1024 powers; case and spaces ignored). A bare number is a fraction, and only in
+    (0, 1]; above 1 it is ambiguous (a percentage? bytes?) and is refused: give a unit. Whether a budget buys
+    at least the smallest unit and stays within the total is checked by :func:`plan` (it needs the profile).
+
+    Raises:
+        ValueError: anything else, in one line starting with ``budget 'TEXT'`` (what is accepted).
+    """
+    s = str(text).strip().lower().replace(" ", "")
+    accepted = "a percentage (10%), a fraction in (0, 1] (0.1) or a size with a unit (300MB, 2GiB, 123456B)"
+    bad = ValueError(f"budget {text!r} is not {accepted}")
+    mt = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)(%|[a-z]*)", s)
+    if not mt:
+        raise bad
+    value, unit = float(mt.group(1)), mt.group(2)
+    if not math.isfinite(value):
+        raise bad
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"budget {text!r}: a percentage must be in (0, 100] (0 % keeps nothing on BF16)")
+        return None, value / 100
+    if unit == "":
+        if 0 < value <= 1:
+            return None, value
+        if value == 0:
+            raise ValueError(f"budget {text!r} keeps nothing on BF16: give {accepted}")
+        raise ValueError(f"budget {text!r}: a bare number above 1 is ambiguous (percent? bytes?): give a unit "
+                         f"({mt.group(1)}% or {mt.group(1)}B, MB, MiB, ...), or a fraction in (0, 1]")
+    if unit not in _UNITS:
+        raise bad
+    size = value * _UNITS[unit]
+    if size < 1:
+        raise ValueError(f"budget {text!r} is less than one byte")
+    if unit == "b" and size != int(size):
+        raise ValueError(f"budget {text!r}: a byte count must be a whole number")
+    return int(size), None

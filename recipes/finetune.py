@@ -45,9 +45,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # a misspelt model, a missing config or data file: one line before transformers loads
+    from gnmr_hf.preflight import check_recipe
+
+    _why = check_recipe(sys.argv[1:])
+    if _why:
+        print(f"finetune.py: error: {_why}", file=sys.stderr)
+        raise SystemExit(2)
+
 # the recipe format (its dataclasses, the YAML parser, validation) and its data live in the package, so that
 # gnmr-hf profile reads a recipe's data exactly as this script does
-from gnmr_hf.recipe import (  # noqa: F401  (re-exported: the tests and the benches use finetune.NAME)
+from gnmr_hf.recipe import (  # noqa: E402, F401  (re-exported: the tests and the benches use finetune.NAME)
     BLOCKS,
     GENERATED,
     GNMR_PRECISIONS,

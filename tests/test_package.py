@@ -263,6 +263,8 @@ LAYERS = {
     "profile": {"planning", "reporting"},  # the former module: re-exports gnmr_hf.planning
     # dynamic sparse training (SMET): a backend of the dual-path interface over its own sparse linears
     "sparse": {"sparse", "backends", "units"},
+    # the entry points' argument checks before torch / transformers: the alias resolver's cheap half, the budget parser
+    "preflight": {"offline", "memory"},
 }
 
 

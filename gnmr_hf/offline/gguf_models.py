@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,34 +202,82 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
+def _suggestion(name: str) -> str:
+    """`` (did you mean 'gemma3-270m'?)`` for a name close to an alias (difflib), else ``""``."""
+    import difflib
+
+    base = os.path.basename(os.path.normpath(name)) or name
+    close = difflib.get_close_matches(base.lower(), list(MODELS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_NOTED: set[str] = set()  # the one-line notes already printed (a name is resolved more than once per run)
+
+
+def _note(line: str) -> None:
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def locate_model(name: str | os.PathLike) -> tuple[str, str]:
+    """What :func:`resolve_model` will do with ``name``, decided at once and cheaply (no torch, no transformers,
+    nothing converted), so that the entry points refuse a wrong name before their heavy imports.
+
+    Returns ``("alias", alias)``, ``("folder", path)`` or ``("hub", name)``. A folder in the current directory
+    named like an alias (``./gemma3-270m``) is used when it is a model folder (it holds ``config.json``), with
+    one line on stderr saying so; one that is not (``recipes/gemma3-270m`` seen from ``recipes/``) leaves the
+    alias in use, also said in one line.
+
+    Raises:
+        ModelNotFoundError: as :func:`resolve_model`, with the closest alias suggested (difflib); an alias whose
+            package is not installed and that was not converted before.
+    """
+    name = str(name)
+    path = os.path.expanduser(name)
+    if name in MODELS:
+        if os.path.isdir(path):
+            if os.path.isfile(os.path.join(path, "config.json")):
+                _note(f"model {name}: using the folder ./{name} in the current directory, not the offline alias "
+                      f"(run from another directory for the alias)")
+                return "folder", path
+            _note(f"model {name}: ./{name} in the current directory is not a model folder (no config.json); "
+                  "using the offline alias")
+        spec = MODELS[name]
+        if not (default_cache_dir(name) / _DONE_MARKER).is_file() and not is_installed(name):
+            raise ModelNotFoundError(f"{spec.description} is not installed. Install it with: {_install_hint(spec)}")
+        return "alias", name
+    if os.path.isdir(path):
+        return "folder", path  # what a folder must hold (config.json, safetensors) each caller checks for its own use
+    if os.path.exists(path):
+        raise ModelNotFoundError(f"model {name}: a file, not a model folder, an offline alias "
+                                 f"({', '.join(MODELS)}) or a hub id")
+    if _looks_like_hub_id(name):
+        return "hub", name
+    raise ModelNotFoundError(f"model {name!r}: no such folder, not a hub id (org/name), and not an offline alias"
+                             f"{_suggestion(name)}; the aliases: {', '.join(MODELS)}")
+
+
 def resolve_model(name: str | os.PathLike) -> str:
     """A model argument as every entry point takes it (``gnmr-hf profile``, ``eval``, ``export``, the demo,
     ``recipes/finetune.py``, the bench scripts): the one resolver.
 
     - an offline alias (``MODELS``: ``smollm2-135m-instruct``, ``gemma3-270m``) becomes its converted
-      checkpoint folder (:func:`gguf_checkpoint`, converted on first use);
+      checkpoint folder (:func:`gguf_checkpoint`, converted on first use); but a model folder of that name in
+      the current directory wins, and one line on stderr says so (:func:`locate_model`);
     - an existing folder is returned as given (``~`` expanded; the caller checks what it needs in it);
     - a hub id (``org/name``, not an existing path) is returned unchanged, for the caller to fetch;
-    - anything else is refused in one line that lists the aliases.
+    - anything else is refused in one line that suggests the closest alias and lists the aliases.
 
     Raises:
         ModelNotFoundError: (a ``FileNotFoundError``) the name is none of the above (a file, or a path or
             word that does not exist), or the alias's package is not installed (the message says what to install).
         ImportError: converting an alias needs ``gguf`` / ``transformers`` (``require``'s message).
     """
-    name = str(name)
-    if name in MODELS:
+    kind, where = locate_model(name)
+    if kind == "alias":
         try:
-            return str(gguf_checkpoint(name))
+            return str(gguf_checkpoint(where))
         except FileNotFoundError as e:
             raise ModelNotFoundError(str(e)) from None
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        return path  # what a folder must hold (config.json, safetensors) each caller checks for its own use
-    if os.path.exists(path):
-        raise ModelNotFoundError(f"model {name}: a file, not a model folder, an offline alias "
-                                 f"({', '.join(MODELS)}) or a hub id")
-    if _looks_like_hub_id(name):
-        return name
-    raise ModelNotFoundError(f"model {name!r}: no such folder, not a hub id (org/name), and not an offline alias; "
-                             f"the aliases: {', '.join(MODELS)}")
+    return where
