@@ -44,7 +44,6 @@ INT4 group, 128 by default).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -166,9 +165,10 @@ def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[l
     path = plan_file(profile_json)
     from gnmr_hf.planning import SensitivityProfile
     from gnmr_hf.planning.ladder import int8_rungs
+    from gnmr_hf.strict_json import read_json
 
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)  # gnmr_hf.strict_json: a key named twice is refused
     except ValueError:
         data = None  # SensitivityProfile.from_json says what is wrong with it, in one line
     if isinstance(data, dict) and data.get("low") == "int4":

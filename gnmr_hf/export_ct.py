@@ -37,7 +37,6 @@ divide in FP32 in a Triton kernel, which can round a code differently).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Mapping
@@ -57,6 +56,7 @@ from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's qu
     int8_fake_quant,
     weight_fake_quant,
 )
+from gnmr_hf.strict_json import read_json
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
@@ -101,7 +101,7 @@ def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, s
     else:
         path = plan_file(plan)
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)  # gnmr_hf.strict_json: a key named twice is refused
         except ValueError as e:
             raise ExportError(f"{path} is not JSON ({e})") from None
         if not isinstance(data, dict):

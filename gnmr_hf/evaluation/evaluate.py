@@ -55,6 +55,7 @@ from gnmr_hf.reporting.report import (
     format_table,
     summary_from_results,
 )
+from gnmr_hf.strict_json import read_json
 
 TASKS = ("gsm8k", "mmlu", "hellaswag", "wikitext")
 # files each task needs under DATA_DIR/<task>/, and the hub schema's fields every row must have
@@ -350,7 +351,7 @@ def read_skip_modules(spec: str | os.PathLike | list[str] | tuple[str, ...] | No
             raise EvalError(f"--skip-modules {text}: no such file (a profile.json from gnmr-hf profile, or a "
                             "comma-separated list of module names)")
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)  # gnmr_hf.strict_json: a key named twice is refused
         except ValueError as e:
             raise EvalError(f"--skip-modules {text}: not JSON ({e})") from None
         from gnmr_hf.backends.recovery import int8_rungs

@@ -25,15 +25,16 @@ adapter folded into BF16) the portable one.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear, int8_rungs  # noqa: F401
 from gnmr_hf.planning.passes import _loss as _batch_loss
+from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
 
 @dataclass
@@ -312,6 +313,7 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     logits than the trained model.
 
     Raises:
+        TypeError: ``rungs`` neither a mapping nor a path (a list of names: give ``{name: "bf16"}``).
         ValueError: a ``low`` not in :data:`LOW_PATHS`, an unknown rung, a name that is not a linear inside the
             decoder layers (``lm_head``: training puts only those on a rung), a plan file that is not one, or
             one made for another model (all before any load).
@@ -322,8 +324,15 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     if low not in LOW_PATHS:
         raise ValueError(f"low={low!r} is not a low path load_planned loads: one of {', '.join(LOW_PATHS)}")
     keep: list[str] = []
-    if not isinstance(rungs, dict):
+    if isinstance(rungs, Mapping):
+        rungs = dict(rungs)
+    elif isinstance(rungs, (str, os.PathLike)):
         rungs, keep = _read_plan_file(model_path, rungs)
+    else:
+        shown = f"a {type(rungs).__name__}" + (f" of {len(rungs)} names" if isinstance(rungs, (list, tuple, set)) else "")
+        raise TypeError(f"load_planned's rungs takes a mapping of linear names to rungs ({', '.join(RUNGS)}), e.g. "
+                        "{'model.layers.3.self_attn.v_proj': 'bf16'}, or a plan file (profile.json) or the folder "
+                        f"holding it; got {shown} (names to keep on BF16: {{name: 'bf16' for name in names}})")
     check_rungs(rungs)
     _check_decoder_linears(model_path, rungs)
     dtype = dtype or torch.bfloat16
@@ -394,7 +403,9 @@ def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> t
     if not path.is_file():
         raise ValueError(f"{path}: no such plan file (a profile.json from a recipe or gnmr-hf profile --budget)")
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
+    except DuplicateKeyError:
+        raise
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -20,6 +19,7 @@ from gnmr_hf.planning.groups import ServingGroup, architecture_of, purchase_tota
 from gnmr_hf.planning.passes import _batch_digest, _loss, _prepare_batches, _set_path, _Unit, _units
 from gnmr_hf.planning.results import SensitivityProfile, _fmt, _is_int, _json_safe
 from gnmr_hf.planning.skiplist import skip_modules
+from gnmr_hf.strict_json import DuplicateKeyError, read_json
 from gnmr_hf.units import UnitSpec
 
 # ------------------------------------------------------------------------------------------ planning
@@ -305,7 +305,9 @@ def require_groups(plan_file: str | os.PathLike | dict[str, Any], groups: str) -
         path = path / "profile.json" if path.is_dir() else path
         shown = str(path)
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)
+        except DuplicateKeyError:
+            raise
         except (OSError, ValueError) as e:
             raise ValueError(f"{shown}: not a readable plan file ({type(e).__name__})") from None
     made = plan_groups(data)

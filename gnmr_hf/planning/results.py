@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gnmr_hf.planning.criteria import DEFAULT_CRITERION, SCORE_NAMES
+from gnmr_hf.strict_json import read_json
 
 FORMAT_VERSION = 1
 
@@ -191,7 +192,7 @@ class SensitivityProfile:
             ValueError: not JSON, or not a valid profile (one line: the file and the field; see :meth:`from_dict`).
         """
         try:
-            data = json.loads(Path(path).read_text())
+            data = read_json(path)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e})") from None
         try:
