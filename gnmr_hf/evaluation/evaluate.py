@@ -32,7 +32,13 @@ form, the decoder linears per precision and the bytes):
 The tasks run one at a time (one ``simple_evaluate`` each, on the one loaded model), so each shows its
 own progress bar with an ETA; with ``resume_dir`` (``--resume-dir``) each task's results are written
 there as soon as it finishes and a rerun with the same settings reads them instead of scoring the task
-again, so an interrupted evaluation resumes at the task it was in.
+again, so an interrupted evaluation resumes at the task it was in. The settings hold what the model, adapter,
+plan and data paths hold (:func:`contents_fingerprint`), not only their names: a folder re-exported in place is
+scored again.
+
+A compressed-tensors folder is scored de-compressed: transformers unpacks its quantised weights to BF16 on the
+first forward. The summary's ``precision`` names the folder's format (:func:`folder_format`), and ``scored``
+records the bytes held when scoring ended (:func:`held_after_scoring`), saying so.
 """
 
 from __future__ import annotations
@@ -409,6 +415,50 @@ def folder_quantisation(model: str | os.PathLike) -> str | None:
     return str(q.get("quant_method") or "unknown") if isinstance(q, dict) and q else None
 
 
+def _dtype_label(config: dict[str, Any]) -> str:
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16").removeprefix("torch.")
+    return {"bfloat16": "BF16", "float32": "FP32", "float16": "FP16"}.get(name, name.upper())
+
+
+def folder_format(model: str | os.PathLike) -> str | None:
+    """What a pre-quantised folder stores, from its ``config.json`` ``quantization_config``: the quantisation
+    method and the linears' formats, e.g. ``"compressed-tensors W4A16+W8A16+BF16"`` (one ``W<bits>A<bits>`` per
+    scheme of ``config_groups``, ascending; then the dtype of the ``ignore`` list's linears) or
+    ``"bitsandbytes NF4+BF16"``; None for a folder without one (a BF16 checkpoint), a hub id or an unreadable
+    config. The summary's ``precision`` of such a folder (the folder is loaded as stock ``from_pretrained`` loads
+    it, nothing quantised at load)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    q = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(q, dict) or not q:
+        return None
+    method = str(q.get("quant_method") or "unknown")
+    kept = _dtype_label(config)
+    kinds: list[tuple[int, int, str]] = []
+    if method == "compressed-tensors":
+        for group in (q.get("config_groups") or {}).values():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if not isinstance(weights, dict) or weights.get("num_bits") is None:
+                continue
+            acts = group.get("input_activations")
+            a_bits = acts.get("num_bits", 16) if isinstance(acts, dict) else 16
+            kinds.append((int(weights["num_bits"]), int(a_bits), f"W{weights['num_bits']}A{a_bits}"))
+        labels = [k for *_, k in sorted(set(kinds))]
+        if q.get("ignore"):
+            labels.append(kept)
+    elif method == "bitsandbytes":
+        labels = [str(q.get("bnb_4bit_quant_type") or "fp4").upper() if q.get("load_in_4bit") else
+                  "INT8" if q.get("load_in_8bit") else "unknown"]
+        # transformers keeps the output head unquantised when the skip list is left out
+        if q.get("llm_int8_skip_modules") is None or q.get("llm_int8_skip_modules"):
+            labels.append(kept)
+    else:
+        labels = []
+    return " ".join([method, "+".join(labels)]) if labels else method
+
+
 def check_form(model: str, precision: str | None, skip_modules: list[str] | None, plan) -> str:
     """The precision to load ``model`` at, the options checked against the form (one-line :class:`EvalError`):
     a pre-quantised folder takes no ``--precision int8|nf4``, ``--skip-modules`` or ``--plan`` (its config says
@@ -460,9 +510,10 @@ def linear_precision(module) -> str:
 
 def describe_scored(model, form: str, checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
     """What a loaded model scores with: ``form``, its linears per precision (every linear but the output head,
-    which is given apart; a PEFT adapter's own LoRA matrices are not counted), the bytes it holds
-    (:func:`gnmr_hf.memory.model_bytes`: parameters, buffers, quantisation states) and the bytes of the
-    checkpoint files it was read from (``checkpoint``'s ``*.safetensors``; None for a hub id)."""
+    which is given apart; a PEFT adapter's own LoRA matrices are not counted), the bytes it holds now, as loaded
+    (:func:`gnmr_hf.memory.model_bytes`: parameters, buffers, quantisation states; ``held_when`` ``"loaded"``:
+    :func:`held_after_scoring` re-counts them once it has scored) and the bytes of the checkpoint files it was
+    read from (``checkpoint``'s ``*.safetensors``; None for a hub id)."""
     import torch
 
     from gnmr_hf.memory import model_bytes
@@ -480,10 +531,57 @@ def describe_scored(model, form: str, checkpoint: str | os.PathLike | None = Non
             continue
         counts[kind] = counts.get(kind, 0) + 1
     files = sorted(Path(checkpoint).glob("*.safetensors")) if checkpoint is not None and Path(checkpoint).is_dir() else []
+    held = model_bytes(model)["total"]
     return {"form": form, "linears": dict(sorted(counts.items())), "lm_head": head_precision,
-            "weights_held_bytes": model_bytes(model)["total"],
+            "weights_held_bytes": held, "weights_held_at_load_bytes": held, "held_when": "loaded",
+            "held_decompressed": None,
             "checkpoint_bytes": sum(f.stat().st_size for f in files) if files else None,
             "checkpoint": None if checkpoint is None else str(checkpoint)}
+
+
+#: what ``scored["held_decompressed"]`` says of a compressed-tensors folder once transformers has scored it
+CT_DECOMPRESSED = ("transformers scores a compressed-tensors folder de-compressed: on the first forward it unpacks "
+                   "the quantised linears' weights to {dtype} (their scales kept), so the model scored holds them "
+                   "at {dtype} size; the scores are the quantised weights', the memory is not the quantised model's")
+
+
+def _decompressed_linears(model) -> tuple[int, str]:
+    """How many of ``model``'s compressed-tensors linears hold their weights de-compressed (``quantization_status``
+    ``decompressed``: transformers de-compresses them on the first forward), and the dtype they hold them in."""
+    names = {"torch.bfloat16": "BF16", "torch.float32": "FP32", "torch.float16": "FP16"}
+    n, dtype = 0, "BF16"
+    for module in model.modules():
+        status = getattr(module, "quantization_status", None)
+        if status is None or str(getattr(status, "value", status)).lower() != "decompressed":
+            continue
+        n += 1
+        weight = getattr(module, "weight", None)
+        if weight is not None and hasattr(weight, "dtype"):
+            dtype = names.get(str(weight.dtype), str(weight.dtype).removeprefix("torch."))
+    return n, dtype
+
+
+def held_after_scoring(model, scored: dict[str, Any]) -> dict[str, Any]:
+    """``scored`` (:func:`describe_scored`) with ``weights_held_bytes`` re-counted on ``model`` as it is now, after
+    scoring (``held_when`` ``"after scoring"``; the count at load stays in ``weights_held_at_load_bytes``), and
+    ``held_decompressed`` saying so when the model holds de-compressed compressed-tensors linears
+    (:data:`CT_DECOMPRESSED`)."""
+    from gnmr_hf.memory import model_bytes
+
+    out = dict(scored)
+    out.setdefault("weights_held_at_load_bytes", scored.get("weights_held_bytes"))
+    # bitsandbytes' Linear8bitLt moves its row scales (weight.SCB) into its state on the first forward, where
+    # model_bytes (which reads the parameters' SCB) does not look: counted here, each once
+    moved = {id(m.state.SCB): m.state.SCB for m in model.modules()
+             if getattr(getattr(m, "state", None), "SCB", None) is not None
+             and getattr(getattr(m, "weight", None), "SCB", None) is None}
+    out["weights_held_bytes"] = model_bytes(model)["total"] + sum(t.nelement() * t.element_size()
+                                                                  for t in moved.values())
+    out["held_when"] = "after scoring"
+    n, dtype = _decompressed_linears(model)
+    if n:
+        out["held_decompressed"] = f"{n} linears de-compressed; " + CT_DECOMPRESSED.format(dtype=dtype)
+    return out
 
 
 def format_scored(scored: dict[str, Any]) -> str:
@@ -492,8 +590,13 @@ def format_scored(scored: dict[str, Any]) -> str:
     linears = ", ".join(f"{n} {k}" for k, n in scored["linears"].items())
     disk = ("" if scored.get("checkpoint_bytes") is None else
             f"; checkpoint read {scored['checkpoint_bytes'] / mib:.1f} MiB on disk")
+    when = " after scoring" if scored.get("held_when") == "after scoring" else ""
+    at_load = scored.get("weights_held_at_load_bytes")
+    if at_load is not None and at_load != scored["weights_held_bytes"]:
+        when += f" ({at_load / mib:.1f} MiB at load)"
+    note = f"; {scored['held_decompressed']}" if scored.get("held_decompressed") else ""
     return (f"scored: {scored['form']}: {sum(scored['linears'].values())} linears ({linears}), lm_head "
-            f"{scored['lm_head']}; weights held {scored['weights_held_bytes'] / mib:.1f} MiB{disk}")
+            f"{scored['lm_head']}; weights held {scored['weights_held_bytes'] / mib:.1f} MiB{when}{disk}{note}")
 
 
 def resolve_model(model: str | os.PathLike) -> str:
@@ -667,10 +770,74 @@ def _compute_dtype(name: str) -> str:
     return resolved
 
 
+# ---------------------------------------------------------------------------------- resume: contents
+#: the files of a model folder whose contents the resume settings fingerprint (weights, configs, tokenizer)
+_MODEL_FILES = (".json", ".safetensors", ".bin", ".model", ".txt", ".jinja", ".py", ".gguf")
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+_SAMPLE = 1 << 16  # bytes hashed from each end of a large file (its header: whole)
+
+
+def _file_digest(path: Path) -> list[Any]:
+    """``[size, mtime_ns, sha256]`` of one file, cheap for any size: small files (<= 1 MiB) hashed whole; a large one
+    by its ``.safetensors`` header (whole: every tensor's name, dtype, shape and offsets), its first and its last
+    64 KiB."""
+    import hashlib
+
+    st = path.stat()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if st.st_size <= 1 << 20:
+            h.update(f.read())
+        else:
+            head = f.read(_SAMPLE)
+            h.update(head)
+            if path.suffix == ".safetensors" and len(head) >= 8:
+                n = int.from_bytes(head[:8], "little")
+                if 8 + n > len(head) and n < 1 << 28:
+                    f.seek(8)
+                    h.update(f.read(n))
+            f.seek(max(st.st_size - _SAMPLE, 0))
+            h.update(f.read(_SAMPLE))
+    return [st.st_size, st.st_mtime_ns, h.hexdigest()]
+
+
+def contents_fingerprint(path: str | os.PathLike | None, kind: str = "model") -> dict[str, Any] | None:
+    """What a folder (or file) the evaluation reads holds, as the resume settings compare it: ``{name: [size,
+    mtime_ns, sha256]}`` (:func:`_file_digest`: configs whole, large weights by header and both ends, nothing
+    read in full) of its files that say what is scored:
+
+    - ``kind="model"``: the folder's top-level weight, config and tokenizer files (``config.json``,
+      ``*.safetensors``, ``.gnmr_export.json``, ...); a hub id (no such folder): None;
+    - ``kind="adapter"``: ``adapter_config.json`` and ``adapter_model.*``;
+    - ``kind="plan"``: the plan file (a folder: its ``profile.json``);
+    - ``kind="data"``: every ``*.jsonl`` under the data folder.
+
+    A folder re-exported in place (``gnmr-hf export --force``) or re-trained into the same path changes it, so a
+    resume scores the task again instead of reading back the old folder's score."""
+    if path is None:
+        return None
+    root = Path(path)
+    if kind == "plan" and root.is_dir():
+        root = root / "profile.json"
+    if root.is_file():
+        return {root.name: _file_digest(root)}
+    if not root.is_dir():
+        return None
+    if kind == "data":
+        files = sorted(f for f in root.rglob("*.jsonl") if f.is_file())
+    elif kind == "adapter":
+        files = [root / n for n in _ADAPTER_FILES if (root / n).is_file()]
+    else:
+        files = sorted(f for f in root.iterdir() if f.is_file() and f.name.endswith(_MODEL_FILES))
+    return {f.relative_to(root).as_posix(): _file_digest(f) for f in files}
+
+
 # ------------------------------------------------------------------------------------------ running
 def default_method_name(model: str, precision: str, adapter: str | os.PathLike | None) -> str:
-    """``"BF16 <model>"`` or ``"INT8 <model> + <adapter>"`` from the folder names."""
-    name = f"{precision.upper()} {Path(str(model).rstrip('/')).name}"
+    """``"BF16 <model>"`` or ``"INT8 <model> + <adapter>"`` from the folder names; a pre-quantised folder's
+    ``precision`` is its :func:`folder_format` (``"compressed-tensors W4A16+BF16 <model>"``), kept as it is."""
+    label = precision if " " in precision or "-" in precision else precision.upper()
+    name = f"{label} {Path(str(model).rstrip('/')).name}"
     return name if adapter is None else f"{name} + {Path(str(adapter).rstrip('/')).name}"
 
 
@@ -722,7 +889,9 @@ def evaluate(
             through :func:`gnmr_hf.hardware.auto_compute_dtype`.
         resume_dir: a folder for one results file per task (``<task>.json``): a task whose file holds
             the same settings is read instead of scored again, and each task's file is written as soon
-            as the task finishes, so an interrupted evaluation resumes at the task it was in.
+            as the task finishes, so an interrupted evaluation resumes at the task it was in. The settings
+            include what the model folder, adapter folder, plan file and data folder hold
+            (:func:`contents_fingerprint`), so one re-exported or re-trained in place is scored again.
         bootstrap_iters: the harness's bootstrap resamples for the stderr of non-mean metrics (the
             perplexities); 0 skips those stderrs (the metrics are the same).
         skip_modules: for ``int8`` / ``nf4``, the modules kept unquantised (see :func:`load_model`).
@@ -732,7 +901,9 @@ def evaluate(
         the harness's results dict (the tasks' runs merged), plus ``"summary"``: the Table 7 numbers (see
         :func:`gnmr_hf.reporting.report.summary_from_results`), ``"row"`` (its Markdown row), the run's settings,
         ``"read_back"`` (the tasks read from ``resume_dir`` instead of scored) and ``"scored"`` (what was scored:
-        the form, the linears per precision, the bytes held and on disk; :func:`describe_scored`).
+        the form, the linears per precision, the bytes held when scoring ended and at load, and on disk;
+        :func:`describe_scored`, :func:`held_after_scoring`). ``"precision"`` is a pre-quantised folder's format
+        (:func:`folder_format`, e.g. ``"compressed-tensors W4A16+W8A16+BF16"``), else the load precision.
     """
     require("lm_eval", "The lm-evaluation-harness evaluation")
     task_names = parse_tasks(tasks)
@@ -761,10 +932,19 @@ def evaluate(
     }
     parts: dict[str, dict[str, Any]] = {}
     if resume_dir is not None:
+        # what the folders hold, not only their names: a folder re-exported or re-trained in place scores again
+        settings["contents"] = {"model": contents_fingerprint(model, "model"),
+                                "adapter": contents_fingerprint(adapter, "adapter"),
+                                "plan": contents_fingerprint(plan, "plan"),
+                                "data_dir": contents_fingerprint(data_dir, "data")}
         for task in task_names:
-            done = read_task_result(Path(resume_dir) / f"{task}.json", settings)
+            path = Path(resume_dir) / f"{task}.json"
+            done = read_task_result(path, settings)
             if done is not None:
                 parts[task] = done
+            elif path.is_file():
+                print(f"gnmr-hf eval: {task}: {path} was scored under other settings"
+                      f"{_stale_reason(path, settings)}; scoring it again", file=sys.stderr, flush=True)
     todo = [t for t in task_names if t not in parts]
     with tempfile.TemporaryDirectory(prefix="gnmr_hf_eval_") as work:
         # data first: a bad data folder should fail before the slow model load
@@ -793,12 +973,17 @@ def evaluate(
                 task_manager=manager,
                 bootstrap_iters=bootstrap_iters,
             )
+            # held when this task's scoring ended: transformers de-compresses a compressed-tensors folder on the
+            # first forward, so what the model holds while it scores is not what it held at load
+            scored = held_after_scoring(lm.model, scored)
             part[_SCORED_KEY] = scored
             parts[task] = part
             if resume_dir is not None:
                 write_task_result(Path(resume_dir) / f"{task}.json", part, settings)
-    scored = next((parts[t][_SCORED_KEY] for t in task_names if parts[t].get(_SCORED_KEY)), None)
+    # the record of the last task this call scored (what the model held when scoring ended), else a read-back one
+    scored = scored or next((parts[t][_SCORED_KEY] for t in task_names if parts[t].get(_SCORED_KEY)), None)
     results = merge_task_results([{k: v for k, v in parts[t].items() if k != _SCORED_KEY} for t in task_names])
+    precision = folder_format(model) or precision  # a pre-quantised folder: what it stores, not "bf16"
     method = method or default_method_name(model, precision, adapter)
     summary = summary_from_results(results, method, gsm8k_filter)
     summary.update(
@@ -849,6 +1034,24 @@ def _write_json(path: Path, results: dict[str, Any]) -> None:
 def write_task_result(path: Path, results: dict[str, Any], settings: dict[str, Any]) -> None:
     """One task's results with the settings they were scored under (see :func:`read_task_result`)."""
     _write_json(path, {**results, _SETTINGS_KEY: settings})
+
+
+def _stale_reason(path: Path, settings: dict[str, Any]) -> str:
+    """`` (the model folder's files changed)``-like words on why ``path``'s stored settings differ, or ``""``."""
+    try:
+        stored = json.loads(path.read_text()).get(_SETTINGS_KEY)
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(stored, dict):
+        return ""
+    now = json.loads(json.dumps(settings))
+    keys = [k for k in now if k != "contents" and stored.get(k) != now[k]]
+    if "contents" not in stored:
+        return " (written before the resume files recorded what the folders hold)"
+    changed = [k for k, v in (now.get("contents") or {}).items()
+               if (stored.get("contents") or {}).get(k) != v and stored.get(k) == now.get(k)]
+    words = keys + [f"the {k.replace('_', ' ')}'s files changed" for k in changed]
+    return f" ({', '.join(words)})" if words else ""
 
 
 def read_task_result(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -943,7 +1146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="method name for the summary row")
     p.add_argument("--output", help="write the results JSON here")
     p.add_argument("--resume-dir", help="keep each task's results here as it finishes; a rerun with the same "
-                                        "settings reads them instead of scoring the task again")
+                                        "settings and the same folder contents reads them instead of scoring "
+                                        "the task again")
     p.add_argument("--log-samples", action="store_true", help="keep per-document samples in the results JSON")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     return p
