@@ -198,13 +198,18 @@ def _accelerate(argv: list[str]) -> str | None:
 
 
 def _gnmr_hf(argv: list[str]) -> str | None:
-    from gnmr_hf import cli
+    from unittest import mock
+
+    from gnmr_hf import cli, preflight
 
     if not argv or argv[0] in ("-h", "--help"):
         return None
     if argv[0] not in cli._COMMANDS:
         return f"gnmr-hf has no command {argv[0]!r}"
-    parser, args = _parser_of(lambda: cli.main(argv))
+    # the parse only: gnmr_hf.preflight would refuse the pages' example folders (~/models/my-llama), absent here,
+    # before the command's parser runs
+    with mock.patch.object(preflight, "check_command", lambda command, argv: None):
+        parser, args = _parser_of(lambda: cli.main(argv))
     return _parse(parser, args)
 
 

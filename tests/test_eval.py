@@ -413,11 +413,12 @@ def test_unknown_task(capsys, bigram_dir):
     assert rc == 2 and "unknown task 'arc_easy'" in err and "gsm8k, mmlu, hellaswag, wikitext" in err
 
 
-def test_unknown_task_through_the_scripts():
+def test_unknown_task_through_the_scripts(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for cmd in ([sys.executable, str(REPO / "eval" / "run_lm_eval.py")],
                 [sys.executable, "-m", "gnmr_hf.cli", "eval"]):
-        proc = subprocess.run(cmd + ["--model", "x", "--tasks", "piqa"], capture_output=True, text=True,
+        # an existing folder: gnmr-hf refuses a model name that is no folder, alias or hub id before the tasks
+        proc = subprocess.run(cmd + ["--model", str(tmp_path), "--tasks", "piqa"], capture_output=True, text=True,
                               timeout=120, env=env)
         assert proc.returncode == 2
         assert "unknown task 'piqa'" in proc.stderr and "Traceback" not in proc.stderr
