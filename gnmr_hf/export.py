@@ -56,6 +56,8 @@ from gnmr_hf.export_folder import (
     OutputFolderError,
     check_model_folder,
     check_output,
+    check_sources,
+    model_name,
     plan_file,
     staged_output,
 )
@@ -262,6 +264,8 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
     if units and len(units) != len(decoder_linears) and len(units) != meta.config.num_hidden_layers:
         raise ExportError(f"the profile has {len(units)} units; {model_path} has {len(decoder_linears)} decoder "
                           f"linears and {meta.config.num_hidden_layers} layers: a profile of another model")
+    # the plan's recorded model identity and the adapter's shapes, as load_planned / gnmr-hf eval check them
+    check_sources(model_path, plan_file(profile_json), profile, adapter, meta)
     del meta
 
     entries = serving["entries"]
@@ -289,6 +293,7 @@ def export_planned(model_path: str | os.PathLike, profile_json: str | os.PathLik
             kind = f"{quant.upper()} with the plan on BF16"
             if adapter is not None:
                 shutil.copytree(adapter, tmp / "adapter")
+                name_adapter_base(tmp / "adapter", name)
         for f in _TOKENIZER_FILES:
             if (model_path / f).is_file() and not (tmp / f).exists():
                 shutil.copy2(model_path / f, tmp / f)
@@ -313,13 +318,31 @@ AFTER_TRAINING_DOCS = ("docs/qlora_budget.md (the gnmr_hf sources): held-out los
                        "steps\" (SmolLM2-135M), \"Gemma 3 270M on the Python docs\", \"SmolLM2 on the Python docs\"")
 
 
-def source_name(model_path: str | os.PathLike) -> str:
-    """How the card names the source model: its offline alias (``gnmr_hf.offline.gguf_models``) when the folder
-    is one's converted checkpoint, else the folder's name; never an absolute path (the card is published)."""
-    from gnmr_hf.offline.gguf_models import MODELS
+#: how the card names the source model: :func:`gnmr_hf.export_folder.model_name` (an offline alias, a hub id, else
+#: the folder's base name; never an absolute path: the card is published)
+source_name = model_name
 
-    name = Path(model_path).name
-    return name if name in MODELS else name or "model"
+
+def name_adapter_base(adapter_dir: Path, name: str) -> None:
+    """The adapter copied into an export names its base model ``name`` (this export's source, by
+    :func:`source_name`), not a folder of the machine it was trained on: ``base_model_name_or_path`` in its
+    adapter_config.json, ``base_model`` (and the ``base_model:adapter:...`` tag) in its README.md front matter
+    (PEFT writes the base's ``name_or_path``, an absolute path for a model loaded from a folder).
+    ``PeftModel.from_pretrained(model, FOLDER + '/adapter')`` takes the model it is given and reads neither."""
+    import json
+
+    config = adapter_dir / "adapter_config.json"
+    data = json.loads(config.read_text())
+    if isinstance(data, dict) and data.get("base_model_name_or_path") not in (None, name):
+        data["base_model_name_or_path"] = name
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    readme = adapter_dir / "README.md"
+    if readme.is_file():
+        text = readme.read_text()
+        head = re.match(r"---\n.*?\n---\n", text, flags=re.S)
+        was = re.search(r"(?m)^base_model:[ \t]*(\S.*?)[ \t]*$", head.group(0)) if head else None
+        if was and was.group(1) != name:  # base_model and PEFT's tag base_model:adapter:<base>
+            readme.write_text(head.group(0).replace(was.group(1), name) + text[head.end():])
 
 
 def _heldout_batches(profile: dict[str, Any]) -> int | None:

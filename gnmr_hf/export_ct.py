@@ -43,7 +43,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.export_folder import ExportError, check_model_folder, plan_file
+from gnmr_hf.export_folder import (
+    ExportError,
+    check_model_folder,
+    check_sources,
+    folder_name,
+    model_name,
+    plan_file,
+)
 from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's quantisers and prices)
     INT4_PROFILE,
     _largest_group,
@@ -224,7 +231,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     model_path = Path(model_path)
     check_model_folder(model_path)
     rungs, data, plan_path = read_rungs(plan)
-    group_size, profiled = _profiled_against(data, plan_path, group_size, model_path)
+    group_size, profiled = _profiled_against(data, plan_path, group_size)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     protect = [("model folder", model_path, True)]
@@ -234,17 +241,21 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         protect.append(("profile's folder", plan_path.parent, False))
     out = check_output(out_dir, force, protect)
     rungs, linears, shapes, other, groups = _check_plan(model_path, rungs, data, group_size, target)
+    # the plan's recorded model identity and the adapter's shapes, as load_planned / gnmr-hf eval check them
+    check_sources(model_path, plan_path, data, adapter)
 
     counts = {SCHEMES[r]: sum(1 for n in linears if rungs.get(n, "low") == r) for r in SCHEMES}
     summary = {"folder": str(out), "format": "compressed-tensors", "target": target, "group_size": group_size,
                "schemes": counts, "rungs": {n: rungs[n] for n in linears if n in rungs},
-               "adapter": str(adapter) if adapter is not None else None,
+               "model": model_name(model_path), "adapter": str(adapter) if adapter is not None else None,
                "tensor_bytes": ct_tensor_bytes(shapes, rungs, other, group_size),
                "w4a16_tensor_bytes": ct_tensor_bytes(shapes, {}, other, group_size),
                "bf16_tensor_bytes": ct_tensor_bytes(shapes, dict.fromkeys(shapes, "bf16"), other, group_size),
                "measured": dict(measured or {}), "plan": data.get("plan"), "profiled_against": profiled}
-    marker = {"format": "compressed-tensors", "model": str(model_path), "plan": str(plan_path) if plan_path else None,
-              "adapter": summary["adapter"]}
+    # names, not this machine's folders: the marker travels with the folder
+    marker = {"format": "compressed-tensors", "model": summary["model"],
+              "plan": f"{folder_name(plan_path.parent)}/{plan_path.name}" if plan_path else None,
+              "adapter": folder_name(adapter) if adapter is not None else None}
     with staged_output(out, marker) as tmp:
         model = _merged_bf16(model_path, adapter)
         _write(model, rungs, linears, group_size, tmp)
@@ -256,18 +267,19 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         if written != summary["tensor_bytes"]:
             raise RuntimeError(f"the folder's tensors hold {written} bytes, {summary['tensor_bytes']} predicted: "
                                "the size accounting is off")
-        (tmp / "README.md").write_text(model_card(summary, model_path))
+        (tmp / "README.md").write_text(model_card(summary, summary["model"]))
     summary["bytes_on_disk"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return summary
 
 
-def _profiled_against(data: Mapping[str, Any], plan_path: Path | None, group_size: int | None,
-                      model_path: Path) -> tuple[int, str]:
+def _profiled_against(data: Mapping[str, Any], plan_path: Path | None,
+                      group_size: int | None) -> tuple[int, str]:
     """The group size to export with and, for the model card, which quantiser the plan was profiled against.
 
     A plan from ``gnmr-hf profile --low int4`` (``low: "int4"``) carries its ``group_size`` (the gains it ranked
     are this export's at that group: another explicit size is refused) and the ``model_identity`` of the model
-    it was profiled on (another model is refused). Any other plan (NF4 / FP4 / INT8 profiles, a trained ladder's
+    it was profiled on (another model is refused, as every plan file that records one is:
+    :func:`gnmr_hf.export_folder.check_sources`). Any other plan (NF4 / FP4 / INT8 profiles, a trained ladder's
     plan, a mapping) is accepted at ``group_size`` (default 128)."""
     low = data.get("low") if isinstance(data.get("low"), str) else None
     if low != "int4":
@@ -286,12 +298,6 @@ def _profiled_against(data: Mapping[str, Any], plan_path: Path | None, group_siz
     if group_size is not None and group_size != recorded:
         raise ExportError(f"--group-size {group_size}: {plan_path} was profiled against INT4 with group {recorded}: "
                           f"leave --group-size out (or give {recorded}), or profile again with --group-size {group_size}")
-    if data.get("model_identity") is not None:
-        from gnmr_hf.planning.profiler import identity_mismatch
-
-        why = identity_mismatch(data["model_identity"], model_path)
-        if why:
-            raise ExportError(f"{plan_path} was profiled on another model than {model_path}: {why}")
     return recorded, (f"this export's own INT4 quantiser (W4A16, group {recorded}; `gnmr-hf profile --low int4`): "
                       "the gains it ranked are this folder's")
 
@@ -349,14 +355,17 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
         compressor.update_config(str(folder))
 
 
-def model_card(summary: dict[str, Any], model_path: Path) -> str:
-    """The folder's README.md: the scheme of every linear (counts), the sizes, what loads it."""
+def model_card(summary: dict[str, Any], model: str | os.PathLike) -> str:
+    """The folder's README.md: the scheme of every linear (counts), the sizes, what loads it. ``model`` names the
+    source (a path is reduced to :func:`gnmr_hf.export_folder.model_name`), the adapter is named by its folder's
+    base name: the card never records an absolute path (it is published)."""
+    name = model_name(model)  # idempotent on a name
     mib = 2**20
     c = summary["schemes"]
     lines = ["---", "library_name: transformers", "tags: [gnmr_hf, compressed-tensors, mixed-precision, w4a16]", "---",
-             "", f"# {model_path.name}: the precision ladder as a compressed-tensors checkpoint", "",
-             f"Exported by `gnmr_hf.export_compressed_tensors` from `{model_path}`"
-             + (f", the LoRA adapter `{summary['adapter']}` merged into the original BF16 weights first." if
+             "", f"# {name}: the precision ladder as a compressed-tensors checkpoint", "",
+             f"Exported by `gnmr_hf.export_compressed_tensors` from the BF16 checkpoint of `{name}`"
+             + (f", the LoRA adapter `{folder_name(summary['adapter'])}` merged into the original BF16 weights first." if
                 summary["adapter"] else ", no adapter (the base model quantised for serving)."), "",
              "| scheme | decoder linears |", "|---|---|",
              f"| W4A16: INT4 weight-only, group {summary['group_size']}, symmetric | {c['W4A16']} |",

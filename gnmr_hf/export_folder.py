@@ -16,6 +16,12 @@ The folder is built beside the target (:func:`staged_output`: a hidden temporary
 and moved into place by rename: the old export renamed aside, the new one renamed in, the old one removed
 last. An exception while writing (a full disk, Ctrl-C) removes the temporary folder and leaves the old
 export as it was; at no point is anything deleted before the new folder is complete.
+
+Both exports also check their inputs the same way (:func:`check_sources`): the plan against the model, as
+``load_planned`` and ``gnmr-hf eval --plan`` check it (the ``model_identity`` it records, else the shapes of its
+units), and the adapter against the model, as ``gnmr-hf eval --adapter`` checks it (``check_adapter_matches``).
+What an export writes to travel (the model card, :data:`MARKER`) names the model and the adapter
+(:func:`model_name`, :func:`folder_name`), never a folder of this machine.
 """
 
 from __future__ import annotations
@@ -63,6 +69,76 @@ def check_model_folder(model_path: Path) -> dict[str, Any]:
         raise ExportError(f"{model_path} is quantised already (its config.json has a quantization_config): "
                           "export from the original BF16 checkpoint")
     return config
+
+
+def model_name(model: str | os.PathLike) -> str:
+    """How a record meant to travel names a model (a model card, an export's :data:`MARKER`, a trained adapter's
+    ``base_model``, a recipe's ``run.json``): a name, never a folder of this machine.
+
+    - an offline alias (``gnmr_hf.offline.gguf_models.MODELS``), given as the alias or as its converted folder
+      (the cache folder is named after the alias), is the alias;
+    - a hub id (``org/name``, not an existing path) is itself, and a snapshot folder of the Hugging Face cache
+      (``.../models--org--name/snapshots/<commit>``) is the ``org/name`` it holds;
+    - any other folder is its base name (``/data/ckpt/my-llama``: ``my-llama``). Not the ``_name_or_path`` of its
+      config.json: a checkpoint saved after loading another one (a fine-tune, a merge) keeps its parent's id
+      there, which would name the parent for it.
+
+    The bitsandbytes card has named its source so from the start (``gnmr_hf.export.source_name`` is this).
+    """
+    from gnmr_hf.offline.gguf_models import MODELS, _looks_like_hub_id
+
+    name = str(model).rstrip("/") or str(model)
+    path = Path(os.path.expanduser(name))
+    if name in MODELS or (not path.exists() and _looks_like_hub_id(name)):
+        return name
+    parts = path.parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        hub = parts[-3][len("models--"):].replace("--", "/", 1)
+        if _looks_like_hub_id(hub):
+            return hub
+    return path.name or "model"
+
+
+def folder_name(folder: str | os.PathLike) -> str:
+    """How a record meant to travel names a folder of the user's (an adapter, a plan's folder): its base name."""
+    return Path(str(folder).rstrip("/") or str(folder)).name or str(folder)
+
+
+def check_sources(model_path: str | os.PathLike, plan_path: str | os.PathLike | None, plan: dict[str, Any],
+                  adapter: str | os.PathLike | None = None, meta: Any = None) -> None:
+    """The plan and the adapter an export reads are ``model_path``'s: one ``ExportError`` line naming what differs.
+
+    Both exports call this, with the checks ``load_planned`` / ``gnmr-hf eval --plan`` and ``gnmr-hf eval
+    --adapter`` make, not copies of them:
+
+    - the plan file (``plan_path``, its JSON ``plan``; None for rungs given as a mapping, which are not
+      checked): :func:`gnmr_hf.planning.ladder._check_same_model`, the ``model_identity`` it records (a hash
+      of the config and a fingerprint of the weights: another model with the same layer names and shapes, a
+      fine-tune merged into the weights are refused), else the shapes of the units it records;
+    - the adapter: :func:`gnmr_hf.evaluation.evaluate.check_adapter_matches`, its target modules and every
+      LoRA matrix's shape against the model's linears (``meta``: the model on the meta device, built from
+      config.json when not given), so that an adapter of another model (other layers, another width) is not
+      merged or shipped beside it.
+    """
+    if plan_path is not None:
+        from gnmr_hf.planning.ladder import _check_same_model
+
+        try:
+            _check_same_model(Path(plan_path), plan, model_path,
+                              fix="export the model the plan was made for, or plan this one (gnmr-hf profile)")
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+    if adapter is not None:
+        from gnmr_hf.evaluation.evaluate import EvalError, check_adapter_matches
+
+        if meta is None:
+            from gnmr_hf.planning.ladder import _meta_model
+
+            meta = _meta_model(model_path)
+        try:
+            check_adapter_matches(meta, adapter, base=f"the model {model_path}")
+        except EvalError as e:
+            raise ExportError(str(e)) from None
 
 
 class OutputFolderError(ValueError):

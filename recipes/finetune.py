@@ -254,11 +254,28 @@ def load_model(recipe: Recipe, model_path: str):
     lora = peft.LoraConfig(r=recipe.lora.lora_r, lora_alpha=recipe.lora.lora_alpha,
                            lora_dropout=recipe.lora.lora_dropout, target_modules=recipe.lora.lora_target_modules,
                            task_type="CAUSAL_LM")
+    name_model(model, model_path)
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as e:  # e.g. target modules the model does not have
         raise RecipeError(f"LoRA: {e}") from None
 
+
+
+def name_model(model, model_path: str) -> str:
+    """Name the loaded model by its name, not this machine's folder (``gnmr_hf.export_folder.model_name``: the
+    alias, the hub id, else the folder's base name), before LoRA is applied: PEFT records
+    ``model.name_or_path`` as the adapter's ``base_model_name_or_path`` (adapter_config.json) and the config's
+    ``_name_or_path`` as ``base_model`` in its README.md, and a planned recipe's profile.json records the latter
+    too, all in the training folder users publish. The weights are read before (and the recovery path from
+    ``model_path``), so nothing loads by this name; the saved adapter loads with stock PEFT given the model
+    (``PeftModel.from_pretrained(model, run_dir)``). Returns the name."""
+    from gnmr_hf.export_folder import model_name
+
+    name = model_name(model_path)
+    model.config.name_or_path = name  # the config's _name_or_path
+    model.name_or_path = name
+    return name
 
 
 def package_versions() -> dict[str, str | None]:
@@ -653,14 +670,19 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     trainer.save_state()  # trainer_state.json: the loss log the demo plots
     record: dict[str, Any] = {}
     if trainer.is_world_process_zero():
+        from gnmr_hf.export_folder import model_name
+
         tokenizer.save_pretrained(args.output_dir)
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         record = {
             "status": "complete",
-            "config": {"script": dataclasses.asdict(script), "lora": dataclasses.asdict(recipe.lora),
+            # the model by its name (gnmr_hf.export_folder.model_name), not this machine's folder: run.json
+            # travels with the adapter
+            "config": {"script": {**dataclasses.asdict(script), "model": model_name(script.model)},
+                       "lora": dataclasses.asdict(recipe.lora),
                        "gnmr": recipe.gnmr.to_dict(), "training": json.loads(args.to_json_string())},
             "config_file": recipe.config_file,
-            "model_path": model_path,
+            "model": model_name(model_path),
             "versions": package_versions(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "world_size": args.world_size,

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 SHORT = ["--max_steps", "3", "--num_generated", "16", "--per_device_train_batch_size", "2", "--max_seq_len", "64",
          "--compute_dtype", "float32"]
-RUN_FIELDS = {"status", "config", "config_file", "model_path", "versions", "device", "world_size",
+RUN_FIELDS = {"status", "config", "config_file", "model", "versions", "device", "world_size",
               "num_train_examples", "global_step", "wall_time_s", "train_runtime_s", "final_loss", "first_loss",
               "mean_train_loss", "peak_memory_bytes", "peak_memory_kind", "gnmr_summary"}
 LAYERS = 30  # SmolLM2-135M's decoder layers

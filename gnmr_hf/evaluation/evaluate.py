@@ -293,12 +293,13 @@ def _adapter_weights(adapter: Path) -> dict[str, Any]:
     return torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True)
 
 
-def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
+def check_adapter_matches(model: Any, adapter: str | os.PathLike, base: str = "the base model") -> None:
     """Raise :class:`EvalError` if the LoRA adapter cannot apply to ``model``.
 
     Checks, before PEFT touches the model, that the adapter's ``target_modules`` name modules of the
     base (PEFT's own matcher) and that every saved LoRA matrix fits its base layer
-    (``lora_A``: [r, in_features], ``lora_B``: [out_features, r]).
+    (``lora_A``: [r, in_features], ``lora_B``: [out_features, r]). ``model`` may be on the meta device (the
+    exports check with it: :func:`gnmr_hf.export_folder.check_sources`); ``base`` names it in the message.
     """
     from peft import PeftConfig
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -309,9 +310,9 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
     if getattr(config, "target_modules", None) is not None:
         if not any(check_target_module_exists(config, name) for name in modules):
             raise EvalError(
-                f"--adapter {adapter} does not match the base model: its target modules "
+                f"--adapter {adapter} does not match {base}: its target modules "
                 f"{sorted(config.target_modules) if not isinstance(config.target_modules, str) else config.target_modules!r}"
-                " name no module of the base"
+                f" name no module of {base}"
             )
     for key, tensor in _adapter_weights(adapter).items():
         for part, dim in ((".lora_A.", 1), (".lora_B.", 0)):
@@ -321,14 +322,14 @@ def check_adapter_matches(model: Any, adapter: str | os.PathLike) -> None:
             name = name[len("base_model.model."):] if name.startswith("base_model.model.") else name
             layer = modules.get(name)
             if layer is None:
-                raise EvalError(f"--adapter {adapter} does not match the base model: it has weights for "
-                                f"{name}, which the base does not have")
+                raise EvalError(f"--adapter {adapter} does not match {base}: it has weights for "
+                                f"{name}, which {base} does not have")
             want = getattr(layer, "in_features" if dim == 1 else "out_features", None)
             if want is not None and tensor.shape[dim] != want:
                 side = "in_features" if dim == 1 else "out_features"
                 raise EvalError(
-                    f"--adapter {adapter} does not match the base model: {key} has shape "
-                    f"{list(tensor.shape)}, but the base's {name} has {side}={want}"
+                    f"--adapter {adapter} does not match {base}: {key} has shape "
+                    f"{list(tensor.shape)}, but {name} of {base} has {side}={want}"
                 )
 
 

@@ -441,13 +441,15 @@ def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> t
     return rungs, keep
 
 
-def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.PathLike) -> None:
+def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.PathLike,
+                      fix: str = "pass the rungs as a dict to load another model on purpose") -> None:
     """The plan file's model is ``model_path``'s: by the ``model_identity`` it records, else by the shapes of the
-    units it records (a ladder plan's ``numel`` / ``rows``, a profile's BF16 ``bytes`` per unit)."""
+    units it records (a ladder plan's ``numel`` / ``rows``, a profile's BF16 ``bytes`` per unit). ``fix``: what
+    the one-line ``ValueError`` tells the user to do (the exports check with it too:
+    :func:`gnmr_hf.export_folder.check_sources`)."""
     from gnmr_hf.planning.profiler import identity_mismatch
 
-    other = (f"{path} was made for another model than {model_path}: {{}} (pass the rungs as a dict to load "
-             "another model on purpose)")
+    other = f"{path} was made for another model than {model_path}: {{}} ({fix})"
     meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
     recorded = data.get("model_identity", meta.get("model_identity"))
     if recorded is not None:
