@@ -97,10 +97,12 @@ def release(run_dir: Path) -> None:
 
 
 def land(run_dir: Path) -> None:
-    """Keep a finished run light: its trace compressed, and its log when over ``LOG_KEPT_RAW`` bytes."""
+    """Keep a finished run light: its trace compressed, and its log when over ``LOG_KEPT_RAW`` bytes or when an
+    earlier landing compressed one (the attempt's log joins it, so a landed run has one copy of its log:
+    ``open_text`` refuses to guess how a ``log.txt`` beside a ``log.txt.gz`` joins)."""
     compress(run_dir / TRACE)
     log = run_dir / "log.txt"
-    if log.is_file() and log.stat().st_size > LOG_KEPT_RAW:
+    if log.is_file() and (log.stat().st_size > LOG_KEPT_RAW or log.with_name(log.name + ".gz").is_file()):
         compress(log, append=True)
 
 

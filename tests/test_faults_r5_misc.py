@@ -121,6 +121,19 @@ def test_a_truncated_gz_names_the_file_and_what_to_do(tmp_path):
         _read(trace, appended=True)
 
 
+def test_the_runner_lands_a_short_log_onto_a_compressed_one_so_one_copy_is_left(tmp_path):
+    from tests.conftest import load_bench
+
+    runner = load_bench("runner")
+    log = tmp_path / "log.txt"
+    log.write_text("attempt 1\n" * (runner.LOG_KEPT_RAW // 10 + 1))  # long: compressed when landed
+    runner.land(tmp_path)
+    assert not log.exists()
+    log.write_text("attempt 2\n")  # a rerun of the landed job (its done file removed), short
+    runner.land(tmp_path)
+    assert not log.exists() and _read(log).endswith("attempt 1\nattempt 2\n")
+
+
 # ------------------------------------------------------------------------------- 8. sparse settings
 
 
