@@ -53,6 +53,11 @@ if __name__ == "__main__":  # a misspelt model, a missing config or data file: o
         print(f"finetune.py: error: {_why}", file=sys.stderr)
         raise SystemExit(2)
 
+if __name__ == "__main__":  # before gnmr_hf.recipe's imports (transformers), which load torchao and bitsandbytes
+    from gnmr_hf._import_utils import quiet_import_noise
+
+    quiet_import_noise()  # their messages at import (--help included) that a user cannot act on
+
 # the recipe format (its dataclasses, the YAML parser, validation) and its data live in the package, so that
 # gnmr-hf profile reads a recipe's data exactly as this script does
 from gnmr_hf.recipe import (  # noqa: E402, F401  (re-exported: the tests and the benches use finetune.NAME)

@@ -53,7 +53,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf._import_utils import require
+from gnmr_hf._import_utils import quiet_lm_eval_git, require
 from gnmr_hf.reporting.report import (
     GSM8K_FILTERS,
     OneLineErrorParser,
@@ -962,6 +962,7 @@ def evaluate(
             print(f"gnmr-hf eval: {task} ({i}/{len(task_names)})", file=sys.stderr, flush=True)
             from lm_eval import simple_evaluate
 
+            quiet_lm_eval_git()  # lm_eval's "git describe" prints "fatal: not a git repository" outside one
             # one task per run: its own progress bar (with total and ETA) and its own results file
             part = simple_evaluate(
                 model=lm,

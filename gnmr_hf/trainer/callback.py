@@ -50,7 +50,8 @@ class GNMRCallback(TrainerCallback):
 
     Outputs: ``gnmr/active``, ``gnmr/promoted``, ``gnmr/demoted``, ``gnmr/over_gnmr``, ``gnmr/over_delta``,
     ``gnmr/hit_max``, ``gnmr/nonfinite``, ``gnmr/skipped`` (means over the steps since the last log) and
-    ``gnmr/recovery_bytes`` (their maximum) in the training logs; ``gnmr/summary/*`` in the final
+    ``gnmr/recovery_bytes`` (their maximum) in the training logs, except under a policy whose mask never changes
+    (``static = True``, e.g. :class:`~gnmr_hf.core.policies.StaticPolicy`); ``gnmr/summary/*`` in the final
     metrics; on the main process the trace ``{output_dir}/gnmr_trace.jsonl`` (one JSON line per
     optimizer step, format in docs/design.md) and ``gnmr_summary.json`` at train end. The run state is
     saved in every checkpoint (``trainer_state.json``) and restored exactly on ``resume_from_checkpoint``
@@ -301,6 +302,8 @@ class GNMRCallback(TrainerCallback):
         added: dict[str, float] = {}
         if "loss" in logs:
             added = self._window.drain()
+            if getattr(self.controller, "static", False):
+                added = {}  # a static plan: the same counts at every step (they are in the trace and the summary)
         elif "train_runtime" in logs:
             added = {f"gnmr/summary/{k}": float(v) for k, v in jsonable(dict(self.controller.summary())).items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -75,6 +75,7 @@ class StaticSetPolicy(_BaselinePolicy):
     """
 
     name = "static_set"
+    static = True  # the mask never changes: GNMRCallback logs no per-step gnmr/* counts for it
 
     def __init__(self, num_units: int, units: Sequence[int], recoverable: Any = None,
                  max_active: int | None = None, unit_bytes: Any = None, **thresholds: Any) -> None:
