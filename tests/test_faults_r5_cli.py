@@ -187,3 +187,16 @@ def test_profile_loads_the_folder_in_the_current_directory(converted, tmp_path, 
         cli.main(["--model", "gemma3-270m", "--output", str(tmp_path / "prof")])
     assert Path(e.value.args[0]) == Path("gemma3-270m")
     assert "using the folder ./gemma3-270m" in capsys.readouterr().err
+
+
+def test_profile_checks_the_folder_it_took_for_an_alias(converted, tmp_path, monkeypatch, capsys):
+    """The folder that won over the alias is checked as any folder: profile reads BF16 safetensors from it."""
+    from gnmr_hf.planning import cli
+
+    (tmp_path / "work" / "gemma3-270m").mkdir(parents=True)
+    (tmp_path / "work" / "gemma3-270m" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path / "work")
+    assert cli.main(["--model", "gemma3-270m", "--output", str(tmp_path / "prof")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("gnmr-hf profile: error: --model gemma3-270m: no *.safetensors files (the BF16 weights the "
+                       "recovery path reads)")

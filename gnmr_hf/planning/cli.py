@@ -279,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
         model_path = Path(resolve_model(args.model))
     except FileNotFoundError as e:
         raise ProfileError(str(e)) from None
-    if args.model not in MODELS:
+    if args.model not in MODELS or model_path == Path(args.model):  # a folder (one named like an alias included)
         if not (model_path / "config.json").is_file():  # a hub id: profile reads the safetensors from a folder
             raise ProfileError(f"--model {args.model}: not a model folder (no config.json)")
         if not list(model_path.glob("*.safetensors")):
