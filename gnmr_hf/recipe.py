@@ -29,7 +29,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 INT8_PRECISIONS = ("int8", "gnmr")
 NF4_PRECISIONS = ("nf4", "gnmr-nf4")
 GNMR_PRECISIONS = ("gnmr", "gnmr-nf4")
-LORA_INITS = ("default", "loftq")
+LORA_INITS = ("default", "loftq", "calibrated")
 # gnmr: keys that only choose which layers go to the recovery path, or where its weights live: a monitor-only
 # run (no dual path, nothing recoverable) never uses them
 SELECTION_KEYS = ("max_active", "lock_steps", "full_recovery_steps", "max_active_bytes", "storage")
@@ -123,7 +123,10 @@ class LoraArguments:
         lora_target_modules (`list[str]`): names of the linear layers that get an adapter.
         lora_init (`str`): ``default`` (PEFT's: A random, B = 0) or ``loftq`` (4-bit bases: each pair on a
             linear that stays quantised starts from the rank-r SVD of its quantisation residual, PEFT's
-            ``replace_lora_weights_loftq`` through ``gnmr_hf.loftq``; a planned linear on BF16 keeps the default).
+            ``replace_lora_weights_loftq`` through ``gnmr_hf.loftq``; a planned linear on BF16 keeps the default)
+            or ``calibrated`` (4-bit bases: each such pair set in closed form to minimise its linear's output
+            error against the BF16 weight on the first ``profile.batches`` training batches, CLoQ / QERA,
+            ``gnmr_hf.calibrated_init``; planned linears keep the default).
     """
 
     lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
@@ -133,7 +136,8 @@ class LoraArguments:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata={"help": "modules that get an adapter"})
     lora_init: str = field(default="default", metadata={
-        "help": "default (A random, B = 0) or loftq (4-bit bases: LoftQ on the linears that stay quantised)"})
+        "help": "default (A random, B = 0), loftq (4-bit bases: LoftQ on the linears that stay quantised) or "
+                "calibrated (4-bit bases: closed-form output-error init on the profile batches)"})
 
 
 @dataclass
@@ -597,10 +601,10 @@ def validate(recipe: Recipe) -> Recipe:
     precision, gnmr = recipe.script.precision, recipe.gnmr
     if recipe.lora.lora_init not in LORA_INITS:
         raise RecipeError(f"lora_init must be one of {', '.join(LORA_INITS)}, got {recipe.lora.lora_init!r}")
-    if recipe.lora.lora_init == "loftq" and precision not in NF4_PRECISIONS:
-        raise RecipeError(f"lora_init: loftq (set {recipe.given.get('lora_init', 'in the recipe')}) needs a 4-bit base "
-                          f"(precision nf4 or gnmr-nf4), not {precision}: LoftQ starts LoRA from the 4-bit "
-                          "quantisation residual")
+    if recipe.lora.lora_init in ("loftq", "calibrated") and precision not in NF4_PRECISIONS:
+        raise RecipeError(f"lora_init: {recipe.lora.lora_init} (set {recipe.given.get('lora_init', 'in the recipe')}) needs a 4-bit base "
+                          f"(precision nf4 or gnmr-nf4), not {precision}: it starts LoRA from the 4-bit "
+                          "quantisation error")
     if recipe.profile.enabled and precision not in GNMR_PRECISIONS:
         where = next(iter(recipe.profile.given.values()), "in the profile block")
         raise RecipeError(f"profile (set {where}) has no effect with precision {precision}: the planned BF16 linears "

@@ -656,6 +656,30 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
             print(f"lora_init: loftq ({loftq['seconds']:.1f} s; {kept} LoRA pairs keep the default init, "
                   f"{len(skip)} planned linears asked)")
 
+    calibrated = None
+    if recipe.lora.lora_init == "calibrated":
+        # after the plan, as LoftQ: the linears it keeps off NF4 keep the default init; calibrated on the first
+        # profile.batches training batches (the profile's own batches when the recipe plans)
+        from gnmr_hf.calibrated_init import calibrated_lora_init
+
+        bs = args.per_device_train_batch_size
+        n = min(recipe.profile.batches, max(1, len(train_ds) // bs))
+        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        calib = [collate([train_ds[j] for j in range(i * bs, min((i + 1) * bs, len(train_ds)))]) for i in range(n)]
+        skip = list((planned or {}).get("modules") or [])
+        try:
+            summary = calibrated_lora_init(model, calib, model_path, skip=skip,
+                                           progress=args.process_index == 0 and not args.disable_tqdm)
+        except ValueError as e:
+            raise RecipeError(f"lora_init: calibrated: {e}") from None
+        calibrated = {k: summary[k] for k in ("seconds", "linears", "skipped", "tokens", "damp", "output_error")}
+        if args.process_index == 0:
+            err = summary["output_error"]
+            print(f"lora_init: calibrated ({summary['seconds']:.1f} s; {summary['linears']} LoRA pairs on "
+                  f"{summary['tokens']} tokens, {summary['skipped']} planned linears keep the default init; output "
+                  f"error {err['calibrated'] / max(err['zero'], 1e-30):.3f} of NF4's, LoftQ's would be "
+                  f"{err['loftq'] / max(err['zero'], 1e-30):.3f})")
+
     trainer = Trainer(
         model=model,
         args=args,
@@ -708,6 +732,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
             record["profile"] = {**recipe.profile.to_dict(), "plan": planned}
         if loftq is not None:
             record["loftq"] = loftq
+        if calibrated is not None:
+            record["calibrated_init"] = calibrated
         summary = Path(args.output_dir) / "gnmr_summary.json"
         if summary.is_file():
             record["gnmr_summary"] = json.loads(summary.read_text())

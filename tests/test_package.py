@@ -256,6 +256,7 @@ LAYERS = {
     # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
     "export_ct": {"export_folder", "planning", "backends", "strict_json"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
+    "calibrated_init": {"calibrated_init", "loftq", "units"},  # closed-form output-error LoRA init (CLoQ / QERA)
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
     # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory
     "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe", "strict_json"},

@@ -51,7 +51,7 @@ def test_lora_init_loftq_parses_and_needs_a_4bit_base():
     for precision in ("bf16", "int8", "gnmr"):
         with pytest.raises(finetune.RecipeError, match=f"lora_init: loftq .*needs a 4-bit base .*not {precision}"):
             finetune.validate(finetune.load_config(["--config", str(SMOL / f"{precision}.yaml"), "--lora_init", "loftq"]))
-    with pytest.raises(finetune.RecipeError, match="lora_init must be one of default, loftq, got 'pissa'"):
+    with pytest.raises(finetune.RecipeError, match="lora_init must be one of default, loftq, calibrated, got 'pissa'"):
         finetune.validate(finetune.load_config(["--config", str(SMOL / "nf4.yaml"), "--lora_init", "pissa"]))
 
 
