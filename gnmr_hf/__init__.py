@@ -36,6 +36,8 @@ _LAZY = {
     "skip_modules": "gnmr_hf.planning",
     "SensitivityProfile": "gnmr_hf.planning",
     "PrecisionPlan": "gnmr_hf.planning",
+    "Plan": "gnmr_hf.planning",
+    "PlanError": "gnmr_hf.planning",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -54,6 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.offline.gguf_models import gemma3_checkpoint
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
     from gnmr_hf.planning import (
+        Plan,
+        PlanError,
         PrecisionPlan,
         SensitivityProfile,
         measure_plan,

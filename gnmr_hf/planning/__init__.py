@@ -53,6 +53,7 @@ One file per job (docs/design.md, "Layout"):
 ``profiler``        :func:`profile_sensitivity`: the criteria asked for, into one profile
 ``results``         :class:`SensitivityProfile`, :class:`UnitScore` and ``profile.json``
 ``planner``         :class:`PrecisionPlan`, the greedy fill by score per byte, :func:`plan`, :func:`measure_plan`
+``plan``            :class:`Plan`: one type for every plan (BF16-only, ladder, INT4), its file, :class:`PlanError`
 ``budget``          budget currencies (extra BF16 bytes; memory over the all-low model) and the price table
 ``skiplist``        :func:`skip_modules`: the names a stock ``BitsAndBytesConfig`` keeps unquantised
 ``ladder``          the precision ladder: INT8 and BF16 rungs under one memory budget, :func:`load_planned`
@@ -64,6 +65,7 @@ The plot is :func:`gnmr_hf.reporting.profile_plot.plot_profile`.
 
 from gnmr_hf.planning.budget import format_price_table, memory_budget, over_low_prices, parse_budget
 from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, GAIN_SCORES, SCORE_NAMES
+from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.planning.planner import (
     PrecisionPlan,
     budget_error,
@@ -82,6 +84,8 @@ __all__ = [
     "DEFAULT_CRITERION",
     "FORMAT_VERSION",
     "GAIN_SCORES",
+    "Plan",
+    "PlanError",
     "SCORE_NAMES",
     "PrecisionPlan",
     "SensitivityProfile",

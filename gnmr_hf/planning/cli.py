@@ -434,11 +434,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\n[profile] no grouped plans: {no_layout}")
     ladder_rows = None
     if args.low != "int8" and not args.no_ladder:
-        from gnmr_hf.planning.ladder import format_ladder_table, ladder_table
+        from gnmr_hf.planning.ladder import MEMORY_POINTS, format_ladder_table, ladder_table
 
         print(f"\n[profile] the precision ladder: each linear on {args.low}, INT8 or BF16, planned under memory over "
               f"the {args.low} model (one load per row) ...", flush=True)
-        ladder_rows = ladder_table(model_path, batches, args.low, dtype=dtype, progress=not args.quiet)
+        # a budget written as memory over the low model gets its own rows: their ladder plan is the file's ladder
+        # plan (gnmr_hf.planning.plan.Plan.load(..., rung_set=("int8", "bf16")); a recipe's --profile.plan)
+        points = MEMORY_POINTS if memory is None or memory[1] != args.low else \
+            tuple(sorted(set(MEMORY_POINTS) | {memory[0]}))
+        ladder_rows = ladder_table(model_path, batches, args.low, dtype=dtype, points=points, progress=not args.quiet)
         print(f"ladder price table (gap closed on the profile batches; L_low {ladder_rows['loss_low']:.4f}, "
               f"L_high {ladder_rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact "
               "bytes with BF16 rungs in BF16):")

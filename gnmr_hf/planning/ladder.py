@@ -34,7 +34,6 @@ from typing import Any
 
 from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear, int8_rungs  # noqa: F401
 from gnmr_hf.planning.passes import _loss as _batch_loss
-from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
 
 @dataclass
@@ -393,52 +392,18 @@ def _check_decoder_linears(model_path: str | os.PathLike, rungs: dict[str, str])
 
 
 def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
-    """``(rungs, keep_modules)`` of a plan file (or ``DIR/profile.json``), checked against ``model_path``."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "profile.json").is_file():
-            raise ValueError(f"{path}: a folder without profile.json (give a recipe's output folder, gnmr-hf profile's "
-                             "--output folder, or the profile.json itself)")
-        path = path / "profile.json"
-    if not path.is_file():
-        raise ValueError(f"{path}: no such plan file (a profile.json from a recipe or gnmr-hf profile --budget)")
-    try:
-        data = read_json(path)
-    except DuplicateKeyError:
-        raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a plan (a JSON object with a 'rungs' mapping or a profile's skip_modules)")
-    if data.get("low") == "int4":
+    """``(rungs, keep_modules)`` of a plan file (or ``DIR/profile.json``), read by
+    :meth:`gnmr_hf.planning.plan.Plan.load` (every schema) and checked against ``model_path``."""
+    from gnmr_hf.planning.plan import Plan
+
+    plan = Plan.load(path)
+    if plan.low == "int4":
         from gnmr_hf.planning.groups import INT4_PROFILE
 
-        raise ValueError(f"{path} was {INT4_PROFILE} (load_planned loads bitsandbytes low paths)")
-    keep: list[str] = []
-    if "rungs" in data:
-        rungs = data["rungs"]
-        if not isinstance(rungs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rungs.items()):
-            raise ValueError(f"{path}: 'rungs' must map linear names to rungs ({', '.join(RUNGS)})")
-    else:
-        from gnmr_hf.planning.results import SensitivityProfile
-
-        try:
-            SensitivityProfile.from_dict(data)  # one line naming a bad field
-        except ValueError as e:
-            raise ValueError(f"{path}: neither a ladder plan (no 'rungs') nor a profile: {e}") from None
-        keep = list(data.get("keep_modules") or [])
-        skips = data.get("skip_modules")
-        plan = data.get("plan") if isinstance(data.get("plan"), dict) else {}
-        if isinstance(skips, list) and skips and all(isinstance(n, str) for n in skips):
-            names = [n for n in skips if n not in keep]
-        elif isinstance(plan.get("modules"), list):
-            names = [str(n) for n in plan["modules"]]
-        else:
-            raise ValueError(f"{path} is a profile without a plan (no skip_modules): plan it (gnmr-hf profile --budget, "
-                             "or gnmr_hf.plan and to_json(..., skip_modules=...)) or pass the rungs as a dict")
-        rungs = {n: "bf16" for n in names}
-    _check_same_model(path, data, model_path)
-    return rungs, keep
+        raise ValueError(f"{plan.source} was {INT4_PROFILE} (load_planned loads bitsandbytes low paths)")
+    plan.require_planned()
+    _check_same_model(plan.source, plan.data, model_path)
+    return dict(plan.rungs), list(plan.keep_modules)
 
 
 def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.PathLike,

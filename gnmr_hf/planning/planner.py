@@ -301,14 +301,16 @@ def require_groups(plan_file: str | os.PathLike | dict[str, Any], groups: str) -
     if isinstance(plan_file, dict):
         data, shown = plan_file, "the plan"
     else:
+        from gnmr_hf.planning.plan import PLAN_FILE, PlanError
+        from gnmr_hf.planning.plan import plan_file as _plan_file
+
         path = Path(plan_file)
-        path = path / "profile.json" if path.is_dir() else path
-        shown = str(path)
+        shown = str(path / PLAN_FILE if path.is_dir() else path)
         try:
-            data = read_json(path)
+            data = read_json(_plan_file(path))  # a folder means DIR/profile.json, as every plan reader says
         except DuplicateKeyError:
             raise
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, PlanError) as e:
             raise ValueError(f"{shown}: not a readable plan file ({type(e).__name__})") from None
     made = plan_groups(data)
     if made != groups:
