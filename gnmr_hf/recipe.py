@@ -233,6 +233,10 @@ class ProfileArguments:
             read from the model's architecture, ``gnmr_hf.planning.groups``; an unknown one refused in one
             line), for the BF16-only plan and the ladder (one rung per group), so the plan can be served by
             vLLM (docs/profile.md, "Grouped plans").
+        plan (`str | None`): a plan to train with as saved (``--profile.plan PATH``: a ``profile.json`` or the
+            folder holding one, from ``gnmr-hf profile`` or an earlier planned run; ``gnmr_hf.planning.Plan``):
+            nothing is profiled; a plan of another model, low format, group size, rung set or grouping is
+            refused in one line before training. Policy static only.
         given (`dict[str, str]`): the keys set in a file or on the command line, and where.
     """
 
@@ -244,6 +248,7 @@ class ProfileArguments:
     gnmr_share: float = 0.25
     rungs: tuple[str, ...] = ("bf16",)
     groups: str | None = None
+    plan: str | None = None
     given: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -256,7 +261,7 @@ class ProfileArguments:
         """Parse and check the block (one-line ``RecipeError`` naming the key)."""
         from gnmr_hf.planning import CRITERIA, parse_budget
 
-        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups"]
+        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups", "plan"]
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise _unknown([f"profile.{k}" for k in unknown], [f"profile.{k}" for k in known], "in the profile block")
@@ -301,6 +306,17 @@ class ProfileArguments:
                 raise RecipeError(f"profile.groups must be {' or '.join(GROUPINGS)} (whole serving groups: q/k/v of a "
                                   f"layer together, gate/up together) or null (a free plan), got {block['groups']!r}")
             out.groups = block["groups"]
+        if block.get("plan") is not None:
+            if not isinstance(block["plan"], (str, os.PathLike)) or not str(block["plan"]).strip():
+                raise RecipeError(f"profile.plan must be a path (a profile.json or its folder), got {block['plan']!r}")
+            out.plan = str(block["plan"])
+            if out.policy != "static":
+                raise RecipeError(f"profile.plan trains with a saved plan at every step: it needs profile.policy "
+                                  f"static, got {out.policy}")
+            typed = [k for k in ("budget", "criterion", "batches") if out.given.get(k) == "on the command line"]
+            if typed:
+                raise RecipeError(f"profile.{typed[0]} (set on the command line) has no effect with profile.plan: the "
+                                  "plan is used as saved, nothing is profiled (profile again to change it)")
         if out.ladder and out.enabled:  # policy gnmr takes no profile: the paper's controller, one line away
             rungs = ", ".join(out.rungs)
             if memory is None:

@@ -395,6 +395,8 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
     from gnmr_hf.planning.passes import _units
 
     prof_args, args = recipe.profile, recipe.training
+    if prof_args.plan is not None:  # --profile.plan: the saved plan, nothing profiled
+        return saved_plan_policy(recipe, model, model_path or resolve_model_path(recipe.script.model))
     bs = args.per_device_train_batch_size
     if len(train_ds) < prof_args.batches * bs:
         raise RecipeError(f"profile.batches {prof_args.batches} x batch size {bs} is more than the "
@@ -480,6 +482,128 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
               f"MiB NF4 model; the plan adds {price / 2**20:.2f} MiB served (+{100 * price / currency['nf4_model_bytes']:.1f} "
               f"%) and its recovery path holds {held / 2**20:.2f} MiB in {recipe.script.compute_dtype} while training")
         print(f"profile.json: llm_int8_skip_modules for a stock BitsAndBytesConfig: {len(plan.skip_modules())} names")
+    return policy, record
+
+
+def check_saved_plan(recipe: Recipe, model_path: str):
+    """``profile.plan`` read (:meth:`gnmr_hf.planning.Plan.load`) and checked against this run before anything is
+    trained: the model (its recorded identity, else the shapes it records), the low format, the group size, the
+    rungs it was chosen over and its serving groups; one ``RecipeError`` line naming what differs and, where a
+    profile command writes a plan that fits, that command."""
+    from gnmr_hf.planning.ladder import _check_same_model
+    from gnmr_hf.planning.plan import Plan, PlanError
+
+    prof = recipe.profile
+    precision = recipe.script.precision
+    low = "nf4" if precision in NF4_PRECISIONS else "int8"
+    rungs = "+".join(prof.rungs)
+    try:
+        plan = Plan.load(prof.plan, rung_set=prof.rungs)
+    except (PlanError, ValueError) as e:
+        raise RecipeError(f"profile.plan: {e}") from None
+    where = f"profile.plan {plan.source}"
+    if not plan.planned:
+        raise RecipeError(f"{where} holds a profile and no plan: give the output of gnmr-hf profile --budget ... "
+                          "or of a planned run")
+    budget = plan.budget if plan.budget and plan.budget.endswith(low) else f"+10%{low}"
+    profile_cmd = f"gnmr-hf profile --model {recipe.script.model} --low {low} --budget {budget}"
+    if plan.low != low or plan.group_size is not None:
+        raise RecipeError(f"{where} is {plan.describe()}; this run trains over {low} (precision {precision}): profile "
+                          f"it over {low} ({profile_cmd} --output DIR)")
+    if plan.rung_set != prof.rungs:
+        if prof.ladder and plan.rung_set == ("bf16",):
+            fix = (f"{profile_cmd} --output DIR writes the ladder plan beside the BF16-only one (its ladder table at "
+                   f"the budget; not with --no-ladder), or train the BF16-only plan with profile.rungs bf16 "
+                   f"(planned-nf4.yaml)" if low != "int8" else "a ladder run's output folder holds one")
+        elif not prof.ladder:
+            fix = "give a BF16-only plan (gnmr-hf profile's, a planned-nf4 run's) or train it with profile.rungs " \
+                  f"{','.join(plan.rung_set)} (planned-ladder-nf4.yaml)"
+        else:
+            fix = f"train it with profile.rungs {','.join(plan.rung_set)}"
+        raise RecipeError(f"{where} is {plan.describe()}, not a plan over [{rungs.replace('+', ', ')}] as this recipe's "
+                          f"profile.rungs: {fix}")
+    if plan.groups != prof.groups:
+        made = f"grouped ({plan.groups})" if plan.groups else "free"
+        fix = (f"{profile_cmd} --groups {prof.groups} --output DIR" if prof.groups and not prof.ladder
+               else "a run of this recipe without profile.plan" if prof.groups
+               else f"profile.groups {plan.groups} trains it as planned")
+        raise RecipeError(f"{where} was planned {made}, not with profile.groups {prof.groups or 'null'}: {fix}")
+    try:
+        _check_same_model(plan.source, plan.data, model_path,
+                          fix=f"profile the model this run trains: {profile_cmd} --output DIR")
+    except ValueError as e:
+        raise RecipeError(f"profile.plan: {e}") from None
+    return plan
+
+
+def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict[str, Any]]:
+    """``profile.plan``: train with a saved plan (:func:`check_saved_plan`) as it is, profiling nothing. The plan's
+    linears are put on their rungs (a ladder plan: ``prepare_dual_path(..., rungs=...)``) and run on them at every
+    step (``StaticPolicy``); ``{output_dir}/profile.json`` records the same plan, in the schema the run would have
+    written (the plan's profile with the run's record, or the ladder's ``rungs`` file), so that the exports, eval
+    and ``load_planned`` read it as before.
+
+    Returns:
+        ``(policy, plan_record)``.
+    """
+    import torch
+
+    import gnmr_hf
+    from gnmr_hf.planning.passes import _units
+    from gnmr_hf.planning.results import SensitivityProfile
+
+    plan = check_saved_plan(recipe, model_path)
+    prof_args, args, script = recipe.profile, recipe.training, recipe.script
+    dtype = getattr(torch, script.compute_dtype)
+    chosen = dict(plan.rungs)
+    linears = {m for u in _units(model, "linears") for m in u.modules}
+    missing = sorted(set(chosen) - linears)
+    if missing:
+        raise RecipeError(f"profile.plan {plan.source} plans {len(missing)} linear(s) this model's dual path does not "
+                          f"hold, e.g. {missing[0]}")
+    if prof_args.ladder:  # the recovery path of every planned linear on its rung (INT8: Linear8bitLt)
+        gnmr_hf.prepare_dual_path(model, recovery_source=model_path, storage=recipe.gnmr.storage, dtype=dtype,
+                                  units="linears", rungs=chosen)
+    units = _units(model, "linears")
+    indices = [i for i, u in enumerate(units) if any(m in chosen for m in u.modules)]
+    unit_bytes = [sum(m._gnmr_source.weight_bytes(m) for m in u.dual) for u in units]
+    policy = gnmr_hf.StaticPolicy(len(units), indices, max_active=max(1, len(indices)), unit_bytes=unit_bytes)
+    prices = _unit_prices(units, prof_args.rungs, script.bnb_4bit_use_double_quant)
+    price = sum(prices[i][chosen[m]] for i in indices for m in units[i].modules if m in chosen)
+    from gnmr_hf.planning import over_low_prices
+
+    nf4 = over_low_prices(model_path, sorted(linears), "nf4", script.bnb_4bit_use_double_quant)["low_model_bytes"]
+    currency = {"budget": plan.budget, "budget_bytes": plan.budget_bytes, "nf4_model_bytes": nf4}
+    modules = [m for i in indices for m in units[i].modules if m in chosen]
+    record = {"rungs": chosen, "indices": indices, "modules": modules, "names": [units[i].name for i in indices],
+              "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16") if prof_args.ladder
+              else plan.skip_modules(), "criterion": plan.chosen_by.get("criterion"), "policy": "static",
+              **_currency_record(currency, price, policy.set_bytes), "groups": plan.groups,
+              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16, "profile_seconds": 0.0,
+              "plan_file": str(plan.source), "planned_by": plan.chosen_by.get("writer")}
+    if prof_args.ladder:
+        record["rung_counts"] = {r: sum(1 for v in chosen.values() if v == r) for r in prof_args.rungs}
+    if args.process_index == 0:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        data = plan.data
+        if prof_args.ladder:
+            from gnmr_hf.planning.profiler import model_identity
+
+            saved = {"rungs": chosen, "plan": record, "model_identity": plan.model_identity or model_identity(model_path)}
+            units_json = data.get("units") if "rungs" in data else None
+            if isinstance(units_json, list) and all(isinstance(u, dict) and "numel" in u for u in units_json):
+                saved["units"] = units_json  # a ladder run's own per-linear gains and prices
+            tmp = out / ".profile.json.tmp"
+            tmp.write_text(json.dumps(saved, indent=1) + "\n")
+            os.replace(tmp, out / "profile.json")
+        elif "units" in data and "losses" in data:  # a profile with its plan: the profile, the run's record
+            SensitivityProfile.from_dict(data).to_json(out / "profile.json", plan=record,
+                                                       skip_modules=plan.skip_modules())
+        else:
+            plan.save(out / "profile.json", plan=record)
+        print(f"profile.plan {plan.source}: {plan.describe()}, {len(chosen)} planned linear(s), used as saved (nothing "
+              f"profiled); {price / 2**20:.2f} MiB served over the NF4 model")
     return policy, record
 
 
@@ -624,6 +748,8 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         except (TypeError, ValueError) as e:
             raise RecipeError(f"gnmr: {e}") from None
 
+    if recipe.profile.enabled and recipe.profile.plan is not None:
+        check_saved_plan(recipe, model_path)  # a plan that does not fit this run: one line, before the model loads
     model = load_model(recipe, model_path)
     if args.process_index == 0:
         model.print_trainable_parameters()

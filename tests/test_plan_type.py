@@ -226,3 +226,125 @@ def test_load_refusals_are_one_plan_error_line(tmp_path):
         with pytest.raises(PlanError, match=message) as e:
             Plan.load(path)
         assert "\n" not in str(e.value), name
+
+
+# ------------------------------------------------------------------------- step 1 feeds step 2: --profile.plan
+
+
+def _count_profile_passes(monkeypatch):
+    """Every profile pass a recipe can run (the BF16 planner's sensitivity profile, the ladder's rung gains),
+    counted."""
+    import gnmr_hf
+    from gnmr_hf.planning import ladder, profiler
+
+    calls = []
+
+    def counted(name, real):
+        def wrapper(*a, **k):
+            calls.append(name)
+            return real(*a, **k)
+        return wrapper
+
+    real = profiler.profile_sensitivity
+    monkeypatch.setattr(gnmr_hf, "profile_sensitivity", counted("profile_sensitivity", real))
+    monkeypatch.setattr(profiler, "profile_sensitivity", counted("profile_sensitivity", real))
+    monkeypatch.setattr(ladder, "rung_gains", counted("rung_gains", ladder.rung_gains))
+    return calls
+
+
+def test_profile_then_the_ladder_recipe_with_profile_plan(cli_nf4, model_dir, tmp_path, monkeypatch):
+    from gnmr_hf.backends.recovery import Int8RecoveryWeight, RecoveryWeight
+    from gnmr_hf.planning.passes import _units
+
+    calls = _count_profile_passes(monkeypatch)
+    out = tmp_path / "ladder"
+    # planned-ladder-nf4.yaml's own budget (in the file) is not the plan's: the plan is used as saved
+    model, policy, record = _planned(model_dir, _recipe(out, "--profile.plan", str(cli_nf4), ladder=True))
+    assert calls == []  # no profile pass at all
+    saved = Plan.load(cli_nf4, rung_set=("int8", "bf16"))
+    assert record["rungs"] == saved.rungs and saved.rungs
+    assert Plan.load(out).rungs == saved.rungs  # the run's profile.json: the same plan, rung for rung
+    assert json.loads((out / "profile.json").read_text())["rungs"] == saved.rungs  # load_planned's schema
+    # the training model: each planned linear on its rung, the planned set on at every step
+    by_name = {n: m._gnmr_source for u in _units(model, "linears") for n, m in zip(u.modules, u.dual)}
+    assert all(isinstance(by_name[n], Int8RecoveryWeight if r == "int8" else RecoveryWeight)
+               for n, r in saved.rungs.items())
+    assert sorted(policy.units) == record["indices"] and len(record["indices"]) == len(saved.rungs)
+    assert record["price_over_nf4_bytes"] == saved.price_bytes  # the plan's price, in the one currency
+
+
+def test_profile_then_the_planned_recipe_with_profile_plan(cli_nf4, model_dir, tmp_path, monkeypatch):
+    calls = _count_profile_passes(monkeypatch)
+    _planned(model_dir, _recipe(tmp_path / "control", "--profile.budget", "+25%nf4"))
+    assert calls == ["profile_sensitivity"]  # the counter sees a recipe's profile pass
+    calls.clear()
+    out = tmp_path / "bf16"
+    _, policy, record = _planned(model_dir, _recipe(out, "--profile.plan", str(cli_nf4 / "profile.json")))
+    assert calls == []
+    saved = Plan.load(cli_nf4)
+    assert record["modules"] == list(saved.rungs) and record["skip_modules"] == saved.skip_modules()
+    run_plan = Plan.load(out)
+    assert run_plan.rungs == saved.rungs and run_plan.skip_modules() == saved.skip_modules()
+    assert sorted(policy.units) == record["indices"]
+
+
+def _refused(recipe, model_dir, monkeypatch, message):
+    """The recipe run in-process up to the plan check: refused in one line, the model never loaded."""
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the plan was checked")
+
+    monkeypatch.setattr(finetune, "load_model", no_load)
+    with pytest.raises(finetune.RecipeError, match=message) as e:
+        finetune.run(recipe)
+    assert "\n" not in str(e.value)
+    assert not (Path(recipe.training.output_dir) / "profile.json").exists()
+    return str(e.value)
+
+
+_RUN = ["--max_steps", "1", "--max_train_examples", "8"]
+
+
+def test_a_plan_of_another_model_is_refused_before_training(cli_nf4, other_dir, tmp_path, monkeypatch):
+    recipe = _recipe(tmp_path / "o", "--profile.plan", str(cli_nf4), "--model", str(other_dir), *_RUN, ladder=True)
+    _refused(recipe, other_dir, monkeypatch, r"profile\.plan: .*profile\.json was made for another model than .*: "
+                                             r"its weights' fingerprint")
+
+
+def test_a_plan_of_another_low_format_or_group_size_is_refused(cli_int4, cli_nf4, model_dir, tmp_path, monkeypatch):
+    # an INT4 (group 64) plan given to an NF4 run
+    recipe = _recipe(tmp_path / "a", "--profile.plan", str(cli_int4), "--model", str(model_dir), *_RUN, ladder=True)
+    _refused(recipe, model_dir, monkeypatch, r"is an? int8\+bf16 ladder plan over int4 \(group 64\), .*this run trains "
+                                             r"over nf4 .*gnmr-hf profile --model .* --low nf4")
+    # an NF4 plan given to an INT8-base run (precision gnmr)
+    recipe = finetune.validate(finetune.load_config([
+        "--config", str(SMOL / "gnmr.yaml"), "--profile.plan", str(cli_nf4), "--model", str(model_dir),
+        "--output_dir", str(tmp_path / "b"), *_RUN]))
+    _refused(recipe, model_dir, monkeypatch, r"plan over nf4, free; this run trains over int8 \(precision gnmr\)")
+
+
+def test_a_plan_of_another_layout_is_refused_with_the_command_that_fits(cli_nf4, recipe_ladder, model_dir, tmp_path,
+                                                                          monkeypatch):
+    # a BF16-only plan (no ladder table in it) given to the ladder recipe: the profile command that writes one
+    bf16_only = Plan.load(cli_nf4).save(tmp_path / "bf16.json")
+    recipe = _recipe(tmp_path / "a", "--profile.plan", str(bf16_only), "--model", str(model_dir), *_RUN, ladder=True)
+    line = _refused(recipe, model_dir, monkeypatch, r"is a BF16-only plan over nf4, free, not a plan over \[int8, bf16\]")
+    assert "gnmr-hf profile --model" in line and "--low nf4 --budget +15%nf4 --output DIR writes the ladder plan" in line
+    # a ladder plan given to the BF16-only recipe
+    recipe = _recipe(tmp_path / "b", "--profile.plan", str(recipe_ladder), "--model", str(model_dir), *_RUN)
+    _refused(recipe, model_dir, monkeypatch, r"ladder plan .*not a plan over \[bf16\].*profile\.rungs int8,bf16")
+    # a free plan given to a grouped run
+    recipe = _recipe(tmp_path / "c", "--profile.plan", str(cli_nf4), "--profile.groups", "vllm", "--model",
+                     str(model_dir), *_RUN)
+    _refused(recipe, model_dir, monkeypatch, r"was planned free, not with profile\.groups vllm: gnmr-hf profile .* "
+                                             r"--groups vllm")
+
+
+def test_profile_plan_parse_refusals():
+    with pytest.raises(finetune.RecipeError, match=r"profile\.plan .* needs profile\.policy static, got hybrid"):
+        finetune.load_config(["--config", str(SMOL / "hybrid-nf4.yaml"), "--profile.plan", "prof"])
+    with pytest.raises(finetune.RecipeError, match=r"profile\.budget \(set on the command line\) has no effect with "
+                                                   r"profile\.plan"):
+        finetune.load_config(["--config", str(SMOL / "planned-nf4.yaml"), "--profile.plan", "prof",
+                              "--profile.budget", "+5%nf4"])
+    r = finetune.load_config(["--config", str(SMOL / "planned-ladder-nf4.yaml"), "--profile.plan", "prof"])
+    assert r.profile.plan == "prof" and r.profile.enabled
