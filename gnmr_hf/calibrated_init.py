@@ -45,13 +45,10 @@ def _lora_4bit_pairs(peft_model: Any, adapter_name: str) -> list[tuple[str, Any]
     return [(n, m) for n, m in peft_model.named_modules() if isinstance(m, Linear4bit) and adapter_name in m.lora_A]
 
 
-def closed_form_pair(error: Any, hessian: Any, rank: int, scaling: float = 1.0,
-                     damp: float = DEFAULT_DAMP) -> tuple[Any, Any]:
-    """``(B, A)`` minimising ``|| (error - scaling * B A) H^{1/2} ||_F`` over rank-``rank`` pairs (module
-    docstring), in float64: ``error`` is ``W - Q`` (out x in), ``hessian`` the un-damped ``E[x x^T]`` (in x in)."""
+def hessian_roots(hessian: Any, damp: float = DEFAULT_DAMP) -> tuple[Any, Any]:
+    """``(H^{1/2}, H^{-1/2})`` of the damped ``H + damp * mean(diag H) * I``, from one float64 eigendecomposition."""
     import torch
 
-    e = error.to(torch.float64)
     h = hessian.to(torch.float64)
     h = (h + h.T) / 2
     mean_diag = float(h.diagonal().mean())
@@ -59,8 +56,18 @@ def closed_form_pair(error: Any, hessian: Any, rank: int, scaling: float = 1.0,
     evals, evecs = torch.linalg.eigh(h)
     evals = evals.clamp_min(max(float(evals.max()), 1e-30) * 1e-12)
     root = evals.sqrt()
-    h_half = (evecs * root) @ evecs.T
-    h_inv_half = (evecs / root) @ evecs.T
+    return (evecs * root) @ evecs.T, (evecs / root) @ evecs.T
+
+
+def closed_form_pair(error: Any, hessian: Any, rank: int, scaling: float = 1.0,
+                     damp: float = DEFAULT_DAMP, roots: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+    """``(B, A)`` minimising ``|| (error - scaling * B A) H^{1/2} ||_F`` over rank-``rank`` pairs (module
+    docstring), in float64: ``error`` is ``W - Q`` (out x in), ``hessian`` the un-damped ``E[x x^T]`` (in x in);
+    ``roots``: its :func:`hessian_roots`, when already computed (linears that share an input share them)."""
+    import torch
+
+    e = error.to(torch.float64)
+    h_half, h_inv_half = roots if roots is not None else hessian_roots(hessian, damp)
     u, s, vh = torch.linalg.svd(e @ h_half, full_matrices=False)
     r = min(rank, s.numel())
     split = s[:r].sqrt()
@@ -140,7 +147,7 @@ def gather_second_moments(peft_model: Any, batches: Any, modules: list[tuple[str
 
 def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: Any = None,
                          adapter_name: str = "default", damp: float = DEFAULT_DAMP,
-                         progress: bool = False) -> dict[str, Any]:
+                         progress: bool = False, compare_loftq: bool = True) -> dict[str, Any]:
     """Set every LoRA pair on a bitsandbytes 4-bit linear of ``peft_model`` to the closed-form rank-r
     correction minimising that linear's output error on ``batches`` (module docstring: CLoQ / QERA-exact).
 
@@ -154,12 +161,13 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
             any spelling of a decoder linear's name (:func:`gnmr_hf.units.short_name`).
         damp: ``H``'s damping as a share of its mean diagonal.
         progress: a tqdm bar over the linears.
+        compare_loftq: also compute LoftQ's output error for the summary (one more SVD per linear).
 
     Returns:
         A summary: ``{"linears": n calibrated, "skipped": n, "tokens": calibration tokens, "seconds": s,
         "output_error": {"zero": sum, "loftq": sum, "calibrated": sum}}`` where each sum is the linears'
         ``tr((E - L) H (E - L)^T)`` on the calibration data (``loftq``: the weight-error SVD of the same
-        rank, computed for comparison, not applied), and ``"per_linear"``: ``{name: [zero, calibrated]}``.
+        rank, computed for comparison, not applied; absent with ``compare_loftq=False``), and ``"per_linear"``: ``{name: [zero, calibrated]}``.
 
     Raises:
         ValueError: (:func:`gnmr_hf.loftq.check_loftq_input`) not a PEFT model with LoRA on 4-bit linears, a
@@ -182,8 +190,9 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
     loader = _SafetensorLoader(peft_model, str(model_path))
     from tqdm.auto import tqdm
 
-    totals = {"zero": 0.0, "loftq": 0.0, "calibrated": 0.0}
+    totals = {"zero": 0.0, "calibrated": 0.0, **({"loftq": 0.0} if compare_loftq else {})}
     per_linear: dict[str, list[float]] = {}
+    last = None
     for name, module in tqdm(pairs, desc="calibrated LoRA init", unit="linear", disable=not progress):
         base = module.get_base_layer()
         weight = loader.get_tensor(name.removeprefix("base_model.model.") + ".weight")
@@ -191,17 +200,19 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
         error = weight.to(torch.float64).cpu() - low.to(torch.float64).cpu()
         h = hessians[name]
         rank, scaling = module.r[adapter_name], float(module.scaling[adapter_name])
-        b, a = closed_form_pair(error, h, rank, scaling, damp)
+        if last is None or last[0].shape != h.shape or not torch.equal(last[0], h):  # q/k/v, gate/up share inputs
+            last = (h, hessian_roots(h, damp))
+        b, a = closed_form_pair(error, h, rank, scaling, damp, roots=last[1])
         lora_a, lora_b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
         with torch.no_grad():
             lora_a.copy_(a.to(lora_a.device, lora_a.dtype))
             lora_b.copy_(b.to(lora_b.device, lora_b.dtype))
         zero = output_error(error, h)
         calibrated = output_error(error, h, scaling * (b @ a))
-        u, s, vh = torch.linalg.svd(error, full_matrices=False)
-        loftq = output_error(error, h, (u[:, :rank] * s[:rank]) @ vh[:rank])
+        if compare_loftq:
+            u, s, vh = torch.linalg.svd(error, full_matrices=False)
+            totals["loftq"] += output_error(error, h, (u[:, :rank] * s[:rank]) @ vh[:rank])
         totals["zero"] += zero
-        totals["loftq"] += loftq
         totals["calibrated"] += calibrated
         per_linear[short_name(name)] = [zero, calibrated]
     return {"linears": len(pairs), "skipped": skipped, "tokens": tokens, "damp": damp,

@@ -793,11 +793,19 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
         collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
         calib = [collate([train_ds[j] for j in range(i * bs, min((i + 1) * bs, len(train_ds)))]) for i in range(n)]
         skip = list((planned or {}).get("modules") or [])
+        from gnmr_hf.backends.base import active_units, set_active_units
+
+        before = active_units(model) if planned else None
+        if planned:  # calibrated on the inputs of the model it trains: the planned linears on their rungs
+            set_active_units(model, planned["indices"])
         try:
             summary = calibrated_lora_init(model, calib, model_path, skip=skip,
                                            progress=args.process_index == 0 and not args.disable_tqdm)
         except ValueError as e:
             raise RecipeError(f"lora_init: calibrated: {e}") from None
+        finally:
+            if planned:
+                set_active_units(model, before)
         calibrated = {k: summary[k] for k in ("seconds", "linears", "skipped", "tokens", "damp", "output_error")}
         if args.process_index == 0:
             err = summary["output_error"]
