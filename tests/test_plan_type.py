@@ -273,6 +273,23 @@ def test_profile_then_the_ladder_recipe_with_profile_plan(cli_nf4, model_dir, tm
     assert record["price_over_nf4_bytes"] == saved.price_bytes  # the plan's price, in the one currency
 
 
+@pytest.mark.parametrize("ladder", [True, False], ids=["ladder", "bf16"])
+def test_gnmr_hf_profile_then_a_trained_run_with_profile_plan(cli_nf4, model_dir, tmp_path, monkeypatch, ladder):
+    """``gnmr-hf profile --output P`` (the fixture), then the recipe run in-process with ``--profile.plan P``: one
+    step trained, no profile pass, and the run's plan is P's rung for rung."""
+    calls = _count_profile_passes(monkeypatch)
+    out = tmp_path / "run"
+    record = finetune.run(_recipe(out, "--profile.plan", str(cli_nf4), "--model", str(model_dir), "--max_steps", "1",
+                                  "--max_train_examples", "16", ladder=ladder))
+    assert calls == []
+    assert record["status"] == "complete" and record["global_step"] == 1
+    want = Plan.load(cli_nf4, rung_set=("int8", "bf16") if ladder else None)
+    assert want.rungs and Plan.load(out, rung_set=want.rung_set).rungs == want.rungs
+    planned = record["profile"]["plan"]
+    assert planned["rungs"] == want.rungs and planned["plan_file"] == str(cli_nf4 / "profile.json")
+    assert planned["profile_seconds"] == 0.0 and planned["ranks_agreed"] == 1
+
+
 def test_profile_then_the_planned_recipe_with_profile_plan(cli_nf4, model_dir, tmp_path, monkeypatch):
     calls = _count_profile_passes(monkeypatch)
     _planned(model_dir, _recipe(tmp_path / "control", "--profile.budget", "+25%nf4"))
