@@ -163,7 +163,7 @@ def table(res: dict) -> str:
     head += " loss merged | gap closed merged |" if merged else ""
     lines = [f"`{res['command']}` (L_NF4 {res.get('loss_nf4', float('nan')):.4f}, "
              f"L_BF16 {res.get('loss_bf16', float('nan')):.4f}, {res['blocks']} held-out blocks, calibrated on "
-             f"{res.get('calib_tokens', '?')} tokens)", "", head, "|" + "---|" * head.count(" | ")]
+             f"{res.get('calib_tokens', '?')} tokens)", "", head, "|" + "---|" * (head.count("|") - 1)]
     for r in res["rows"]:
         line = (f"| +{r['budget_pct']} % | {r['rungs']['int8']} / {r['rungs']['bf16']} | {r['init']} | "
                 f"{r['loss_served']:.4f} | {r.get('gap_closed_served', float('nan')):.2f} |")

@@ -43,6 +43,10 @@ method                  linears on the BF16 path
 ``lad-bf16-M``          the same knapsack with the BF16 rung only (today's plan, priced in memory over NF4)
 ``lad-grp-M``           the ladder over whole vLLM serving groups (q/k/v and gate/up of a layer on one rung, the
                         group's price and gain the sums of its members': ``choose_rungs(..., groups=...)``)
+``cal``                 none; LoRA initialised in closed form to each linear's least output error on the
+                        profile_ladder.json batches (gnmr_hf.calibrated_init, CLoQ / QERA), 0 extra bytes
+``cal+lad-M``           the ladder at M, the calibrated init on the linears that stay NF4 (not in METHODS:
+                        name it, e.g. ``--methods nf4,bf16,lad-10,cal,cal+lad-10``)
 ======================  ==========================================================================================
 
 Two currencies: ``-B`` is a share of the quantised weights' BF16 bytes (the first methods); ``-M`` (the
@@ -137,12 +141,13 @@ TIER3 = ("prof-layer-10", "rand-step-10", "edge-10", "gnmr-layer-10")
 BASELINES = ("werr-op-10", "out-op-10", "heur-op-10")
 # the precision ladder at equal memory over NF4: the ladder, INT8 only, BF16 only (10 % first)
 LADDER = {"lad": ("int8", "bf16"), "lad-int8": ("int8",), "lad-bf16": ("bf16",), "lad-fill": ("int8", "bf16"),
-          "lad-grp": ("int8", "bf16")}
+          "lad-grp": ("int8", "bf16"), "cal+lad": ("int8", "bf16")}
 FILLED = ("lad-fill",)  # the ladder with its unspent bytes spent on INT8 -> BF16 upgrades (choose_rungs(fill=True))
 GROUPED = ("lad-grp",)  # the ladder over whole vLLM serving groups (q/k/v and gate/up of a layer on one rung)
+CALIBRATED = ("cal", "cal+lad")  # LoRA from gnmr_hf.calibrated_init (issue 61), named explicitly: not in METHODS
 # lad-fill only at 25 %: at 5 and 10 % the knapsack spends the budget and its plan is lad's on both models;
 # lad-grp at 10 %: the trained price of serving groups (bench/value/group_price.py prices them forward only)
-LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER if k not in (*FILLED, *GROUPED)) + (
+LADDER_METHODS = tuple(f"{k}-{m}" for m in (10, 5, 25) for k in LADDER if k not in (*FILLED, *GROUPED, *CALIBRATED)) + (
     "lad-fill-25", "lad-grp-10")
 METHODS = TIER1 + TIER2 + TIER3 + BASELINES + LADDER_METHODS
 # which file holds a kind's scores: profile.json (the product's first-order criterion, from labelled
@@ -161,7 +166,7 @@ OPS_PER_LAYER = 7
 
 def parse_method(method: str) -> tuple[str, int]:
     """``"prof-op-10"`` -> ``("prof-op", 10)``; references have budget 0 (``bf16``: 100)."""
-    if method in ("nf4", "loftq"):
+    if method in ("nf4", "loftq", "cal"):
         return method, 0
     if method == "bf16":
         return method, 100
@@ -616,7 +621,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     planned: list[int] = []
     if kind == "bf16":
         planned = list(range(U))
-    elif kind in ("nf4", "loftq"):
+    elif kind in ("nf4", "loftq", "cal"):
         planned = []
     elif kind in STATIC:
         planned = static_set(kind, pct, ub, scores, args.seed, names)
@@ -625,7 +630,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         planned = [i for i, n in enumerate(plain) if n in rungs]
         if len(planned) != len(rungs):
             raise SystemExit("profile_ladder.json names linears this model's units do not hold")
-    if kind in ("bf16", "nf4", "loftq", *STATIC, *LADDER):
+    if kind in ("bf16", "nf4", "loftq", "cal", *STATIC, *LADDER):
         policy = StaticSetPolicy(U, planned, max_active=max(1, len(planned)), unit_bytes=ub)
     elif kind == "rand-step":
         policy = RandomBytesPolicy(U, ub, budget, seed=1000 + args.seed)
@@ -649,6 +654,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         # LoftQ on the linears that stay NF4; one on BF16 keeps the stock init (no quantisation error there)
         replace_lora_weights_loftq(model, model_path, skip=[units[u][0] for u in planned])
+        loftq_s = time.perf_counter() - t0
+    elif kind in CALIBRATED:
+        from gnmr_hf.calibrated_init import calibrated_lora_init
+
+        t0 = time.perf_counter()
+        # calibrated on the profile_ladder.json batches (the ladder's own), the planned linears on their rungs
+        n_calib = json.loads(ladder_path(out_root).read_text())["batches"] if ladder_path(out_root).is_file() else 2
+        set_active_units(model, planned, units)
+        calibrated_lora_init(model, profile_batches(recipe, tokenizer, out, n_calib), model_path,
+                             skip=[units[u][0] for u in planned], compare_loftq=False)
+        set_active_units(model, [], units)
         loftq_s = time.perf_counter() - t0
     else:
         loftq_s = 0.0
