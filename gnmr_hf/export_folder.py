@@ -49,12 +49,14 @@ class ExportError(ValueError):
 def plan_file(plan: str | os.PathLike) -> Path:
     """A plan given to an export: a ``profile.json``, or the folder holding one; one ``ExportError`` line when
     there is none."""
-    path = Path(plan)
-    if path.is_dir():
-        path = path / "profile.json"
-    if not path.is_file():
-        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)")
-    return path
+    from gnmr_hf.planning.plan import PLAN_FILE, PlanError
+    from gnmr_hf.planning.plan import plan_file as _plan_file
+
+    try:
+        return _plan_file(plan)  # a folder means DIR/profile.json, as every plan reader says
+    except PlanError:
+        path = Path(plan) / PLAN_FILE if Path(plan).is_dir() else Path(plan)
+        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)") from None
 
 
 def check_model_folder(model_path: Path) -> dict[str, Any]:

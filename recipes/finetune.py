@@ -735,9 +735,10 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
 
     callbacks = list(extra_callbacks or [])
     if recipe.profile.enabled:
-        # the callback needs the plan: built after the model is loaded and profiled; the data checked now
+        # the callback needs the plan: built after the model is loaded and profiled; the data checked now (a
+        # saved plan, profile.plan, profiles nothing)
         bs = args.per_device_train_batch_size
-        if len(train_ds) < recipe.profile.batches * bs:
+        if recipe.profile.plan is None and len(train_ds) < recipe.profile.batches * bs:
             raise RecipeError(f"profile.batches {recipe.profile.batches} (set {recipe.profile.given.get('batches', 'by default')})"
                               f" x batch size {bs} is more than the {len(train_ds)} training examples")
     elif script.precision in GNMR_PRECISIONS or recipe.gnmr.monitor:
