@@ -83,16 +83,6 @@ def _require_compressed_tensors():
     return compressed_tensors
 
 
-def _weight_args(rung: str, group_size: int):
-    """The library's ``QuantizationArgs`` of a rung's weights (W4A16 is vLLM's preset, its group size set)."""
-    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
-
-    if rung == "int8":
-        return QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
-    args = preset_name_to_scheme("W4A16", ["Linear"]).weights
-    return args if args.group_size == group_size else args.model_copy(update={"group_size": group_size})
-
-
 # --------------------------------------------------------------------------------------- the plan
 
 
@@ -319,23 +309,20 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.offload import update_offload_parameter
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
+    from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
+
+    from gnmr_hf.planning.plan import Plan
 
     low = [n for n in linears if rungs.get(n, "low") == "low"]
     int8 = [n for n in linears if rungs.get(n) == "int8"]
-    groups = {}
-    if low:
-        groups["group_0"] = QuantizationScheme(targets=low, weights=_weight_args("low", group_size))
-    if int8:
-        groups[f"group_{len(groups)}"] = QuantizationScheme(targets=int8, weights=_weight_args("int8", group_size))
-    ignore = ["lm_head"] + [n for n in linears if rungs.get(n) == "bf16"]
+    # the plan's own compressed-tensors config (gnmr_hf.planning.Plan.ct_config)
+    # (a BF16 plan's skip list may name modules that are no decoder linear, lm_head: unquantised anyway)
+    config = Plan(rungs={n: r for n, r in rungs.items() if n in set(linears)}, low="int4",
+                  group_size=group_size).ct_config(linears)
+    groups = bool(config)
     if groups:
-        apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=ignore), show_progress=False)
+        apply_quantization_config(model, config, show_progress=False)
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name in low + int8:

@@ -365,3 +365,19 @@ def test_profile_plan_parse_refusals():
                               "--profile.budget", "+5%nf4"])
     r = finetune.load_config(["--config", str(SMOL / "planned-ladder-nf4.yaml"), "--profile.plan", "prof"])
     assert r.profile.plan == "prof" and r.profile.enabled
+
+
+def test_the_compressed_tensors_config_is_derived_from_the_plan(cli_int4, model_dir):
+    from gnmr_hf.planning.groups import decoder_linears
+    from gnmr_hf.planning.ladder import _meta_model
+
+    plan = Plan.load(cli_int4)
+    linears = decoder_linears(_meta_model(model_dir))
+    cfg = plan.ct_config(linears)
+    by_bits = {g.weights.num_bits: g for g in cfg.config_groups.values()}
+    assert sorted(by_bits[4].targets) == sorted(n for n in linears if n not in plan.rungs)
+    assert by_bits[4].weights.group_size == 64
+    assert sorted(by_bits[8].targets) == sorted(n for n, r in plan.rungs.items() if r == "int8")
+    assert sorted(cfg.ignore) == sorted(["lm_head"] + [n for n, r in plan.rungs.items() if r == "bf16"])
+    with pytest.raises(PlanError, match="none of the given linears"):
+        plan.ct_config(linears[:1])

@@ -174,6 +174,27 @@ class Plan:
                                   bnb_4bit_use_double_quant=double_quant, llm_int8_skip_modules=self.skip_modules(),
                                   **extra, **kwargs)
 
+    def ct_config(self, linears: Sequence[str], group_size: int | None = None):
+        """The compressed-tensors ``QuantizationConfig`` that serves this plan (what ``gnmr-hf export --format
+        compressed-tensors`` applies): every one of ``linears`` (the model's decoder linears) not on a rung in
+        W4A16 groups of ``group_size`` (default: the plan's, else 128), the INT8 rungs W8A16 per channel, the
+        BF16 rungs and ``lm_head`` ignored; None when nothing is quantised. Needs ``compressed-tensors``."""
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+        gs = group_size or self.group_size or 128
+        unknown = sorted(set(self.rungs) - set(linears))
+        if unknown:
+            raise PlanError(f"{self.source or 'the plan'} plans {unknown[0]}, which is none of the given linears")
+        low = [n for n in linears if n not in self.rungs]
+        int8 = [n for n in linears if self.rungs.get(n) == "int8"]
+        groups = {}
+        if low:
+            groups["group_0"] = QuantizationScheme(targets=low, weights=ct_weight_args("low", gs))
+        if int8:
+            groups[f"group_{len(groups)}"] = QuantizationScheme(targets=int8, weights=ct_weight_args("int8", gs))
+        ignore = ["lm_head"] + [n for n in linears if self.rungs.get(n) == "bf16"]
+        return QuantizationConfig(config_groups=groups, ignore=ignore) if groups else None
+
     def _require_bnb(self, what: str) -> None:
         where = f"{self.source} " if self.source else "the plan "
         if self.low == "int4":
@@ -259,6 +280,17 @@ class Plan:
             plan = _from_profile(data, where, rung_set)
         plan.source, plan.data = src, data
         return plan
+
+
+def ct_weight_args(rung: str, group_size: int):
+    """compressed-tensors' ``QuantizationArgs`` of a rung's weights: ``"low"`` is W4A16 (vLLM's preset, its group
+    size set), ``"int8"`` W8A16 per output channel, symmetric."""
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+
+    if rung == "int8":
+        return QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
+    args = preset_name_to_scheme("W4A16", ["Linear"]).weights
+    return args if args.group_size == group_size else args.model_copy(update={"group_size": group_size})
 
 
 # ------------------------------------------------------------------------------------------- schemas
