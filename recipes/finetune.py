@@ -471,7 +471,8 @@ def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
         extra = {"gnmr_budget_bytes": rest, "gnmr_max_active_bytes": cap}
     # the plan's own record first (its budget_bytes and bytes are the planner's BF16 bytes), then the run's
     record = {**plan.to_dict(), "plan_budget_bytes": plan.budget_bytes, "criterion": criterion,
-              "policy": prof_args.policy, **_currency_record(currency, price, held), **extra,
+              "policy": prof_args.policy, "low": "nf4" if recipe.script.precision in NF4_PRECISIONS else "int8",
+              **_currency_record(currency, price, held), **extra,
               "stored_bytes_per_bf16_byte": scale,
               "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
     if args.process_index == 0:
@@ -580,7 +581,7 @@ def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict
               else plan.skip_modules(), "criterion": plan.chosen_by.get("criterion"), "policy": "static",
               **_currency_record(currency, price, policy.set_bytes), "groups": plan.groups,
               "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16, "profile_seconds": 0.0,
-              "plan_file": str(plan.source), "planned_by": plan.chosen_by.get("writer")}
+              "plan_file": str(plan.source), "planned_by": plan.chosen_by.get("writer"), "low": plan.low}
     if prof_args.ladder:
         record["rung_counts"] = {r: sum(1 for v in chosen.values() if v == r) for r in prof_args.rungs}
     if args.process_index == 0:
@@ -678,7 +679,7 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
               "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
               "gain": gain, "over_low_bytes": price, "memory_budget": over_low,
               **_currency_record(currency, price, policy.set_bytes), "policy": "static", "criterion": "first_order",
-              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16, "groups": prof_args.groups,
+              "stored_bytes_per_bf16_byte": torch.finfo(dtype).bits / 16, "groups": prof_args.groups, "low": "nf4",
               "profile_seconds": round(time.time() - t0, 2)}
     if args.process_index == 0:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -381,3 +381,22 @@ def test_the_compressed_tensors_config_is_derived_from_the_plan(cli_int4, model_
     assert sorted(cfg.ignore) == sorted(["lm_head"] + [n for n, r in plan.rungs.items() if r == "bf16"])
     with pytest.raises(PlanError, match="none of the given linears"):
         plan.ct_config(linears[:1])
+
+
+def test_a_planned_run_on_an_int8_base_records_its_low(model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "int8"
+    recipe = finetune.validate(finetune.load_config([
+        "--config", str(SMOL / "gnmr.yaml"), "--profile.budget", "25%", "--output_dir", str(out),
+        "--compute_dtype", "float32", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]))
+    _planned(model_dir, recipe)
+    plan = Plan.load(out)
+    assert plan.low == "int8" and plan.rungs and plan.bnb_config().load_in_8bit
+    # and it trains again as saved on an INT8 base, while an NF4 run refuses it
+    again = finetune.validate(finetune.load_config([
+        "--config", str(SMOL / "gnmr.yaml"), "--profile.plan", str(out), "--output_dir", str(tmp_path / "again"),
+        "--compute_dtype", "float32", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]))
+    calls = _count_profile_passes(monkeypatch)
+    _, _, record = _planned(model_dir, again)
+    assert calls == [] and record["rungs"] == plan.rungs and Plan.load(tmp_path / "again").low == "int8"
+    with pytest.raises(finetune.RecipeError, match=r"plan over int8, free; this run trains over nf4"):
+        finetune.check_saved_plan(_recipe(tmp_path / "nf4", "--profile.plan", str(out)), str(model_dir))

@@ -343,7 +343,7 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
     if not isinstance(rungs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rungs.items()):
         raise PlanError(f"{where}: 'rungs' must map linear names to rungs ({', '.join(RUNGS)})")
     record = data.get("plan") if isinstance(data.get("plan"), dict) else {}
-    low = data.get("low", "nf4")  # a ladder recipe plans over NF4 and does not say so
+    low = data.get("low", record.get("low", "nf4"))  # a ladder recipe's record says (since issue 59): NF4
     if low == "int4":  # gnmr-hf profile --low int4
         rung_set, currency, writer = ("int8", "bf16"), "compressed-tensors folder bytes over uniform W4A16", \
             "gnmr-hf profile --low int4"
@@ -398,7 +398,9 @@ def _from_profile(data: dict[str, Any], where: str, rung_set: Sequence[str] | No
     chosen["writer"] = "gnmr-hf profile" if cli else "a planned recipe" if record else "a profile"
     chosen["criterion"] = chosen["criterion"] or record.get("criterion")
     chosen["policy"] = record.get("policy")
-    low = _opt_str(data.get("low")) or "nf4"
+    # gnmr-hf profile records its low format at the top, a planned recipe in its record (since issue 59; an older
+    # recipe file says nothing: NF4, the planned recipes' usual base)
+    low = _opt_str(data.get("low")) or _opt_str(record.get("low")) or "nf4"
     if isinstance(skips, list) and skips and all(isinstance(n, str) for n in skips):
         names = [n for n in skips if n not in keep]
     elif isinstance(record.get("modules"), list):
