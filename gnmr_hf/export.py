@@ -177,6 +177,16 @@ def _read_plan(profile_json: str | os.PathLike, ladder: bool = False) -> tuple[l
         from gnmr_hf.export_ct import INT4_PROFILE
 
         raise ExportError(f"{path} was {INT4_PROFILE}")
+    if isinstance(data, dict) and "schema_version" in data:  # a file Plan.save wrote: its skip list, derived
+        from gnmr_hf.planning.plan import Plan, PlanError
+
+        try:
+            plan = Plan.from_dict(data, path).require_planned()
+            if ladder and plan.rungs:
+                return sorted(plan.rungs), data
+            return plan.skip_modules(), data
+        except PlanError as e:
+            raise ExportError(str(e) if "INT8" not in str(e) else f"{e}; {LADDER_BNB}") from None
     int8 = int8_rungs(data)
     if int8 and ladder:
         return sorted(data["rungs"]), data

@@ -400,3 +400,17 @@ def test_a_planned_run_on_an_int8_base_records_its_low(model_dir, tmp_path, monk
     assert calls == [] and record["rungs"] == plan.rungs and Plan.load(tmp_path / "again").low == "int8"
     with pytest.raises(finetune.RecipeError, match=r"plan over int8, free; this run trains over nf4"):
         finetune.check_saved_plan(_recipe(tmp_path / "nf4", "--profile.plan", str(out)), str(model_dir))
+
+
+def test_the_bitsandbytes_export_reads_a_saved_plan(cli_nf4, recipe_ladder, tmp_path):
+    from gnmr_hf import export
+
+    saved = Plan.load(cli_nf4).save(tmp_path / "bf16.json")
+    skips, _ = export._read_plan(saved)
+    assert skips == Plan.load(cli_nf4).skip_modules() == json.loads((cli_nf4 / "profile.json").read_text())["skip_modules"]
+    ladder = Plan.load(recipe_ladder)
+    path = ladder.save(tmp_path / "ladder.json")
+    assert export._read_plan(path, ladder=True)[0] == sorted(ladder.rungs)
+    if "int8" in ladder.rungs.values():
+        with pytest.raises(export.ExportError, match="on INT8 .*export it with --format compressed-tensors"):
+            export._read_plan(path)
