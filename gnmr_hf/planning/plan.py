@@ -135,6 +135,10 @@ class Plan:
         self.rung_set = tuple(r for r in RUNGS if r in self.rung_set)
         if not self.rung_set:
             raise PlanError(f"{where}rung_set must name rungs from {', '.join(RUNGS)}")
+        off = sorted(n for n, r in self.rungs.items() if r not in self.rung_set)
+        if off:
+            raise PlanError(f"{where}{off[0]} is on {self.rungs[off[0]]}, which is not among the rungs the plan was "
+                            f"chosen over ({', '.join(self.rung_set)})")
         if (self.group_size is None) != (self.low != "int4"):
             raise PlanError(f"{where}group_size {self.group_size!r} with low {self.low}: an int4 plan records its group "
                             "size, a bitsandbytes one none")
