@@ -144,16 +144,18 @@ def test_recipe_key_parses_and_needs_a_4bit_base():
         finetune.validate(finetune.load_config(["--config", str(smol / "bf16.yaml"), "--lora_init", "calibrated"]))
 
 
-def test_recipe_runs_two_steps_with_calibrated_init(tmp_path, tiny_tok):
-    """planned-nf4 with lora_init: calibrated, in process on a tiny LLaMA (SmolLM2's tokenizer), 2 steps."""
+@pytest.mark.parametrize("config, budget", [("planned-nf4", "25%"), ("planned-ladder-calibrated-nf4", "+0.4%nf4")])
+def test_recipe_runs_two_steps_with_calibrated_init(tmp_path, tiny_tok, config, budget):
+    """A BF16 plan and the ladder (INT8 / BF16 rungs) with lora_init: calibrated, in process on a tiny LLaMA
+    (SmolLM2's tokenizer), 2 steps."""
     sys.path.insert(0, str(ROOT / "recipes"))
     import finetune
 
     out = tmp_path / "run"
     recipe = finetune.load_config([
-        "--config", str(ROOT / "recipes" / "smollm2-135m" / "planned-nf4.yaml"), "--model", str(tiny_tok),
+        "--config", str(ROOT / "recipes" / "smollm2-135m" / f"{config}.yaml"), "--model", str(tiny_tok),
         "--output_dir", str(out), "--data_dir", str(tmp_path / "data"), "--max_steps", "2", "--report_to", "none",
-        "--disable_tqdm", "true", "--lora_init", "calibrated", "--profile.budget", "25%", "--compute_dtype", "float32",
+        "--disable_tqdm", "true", "--lora_init", "calibrated", "--profile.budget", budget, "--compute_dtype", "float32",
         "--use_cpu", "true", "--logging_steps", "1", "--save_strategy", "no"])
     record = finetune.run(recipe)
     assert record["status"] == "complete" and record["global_step"] == 2
