@@ -318,8 +318,9 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     int8 = [n for n in linears if rungs.get(n) == "int8"]
     # the plan's own compressed-tensors config (gnmr_hf.planning.Plan.ct_config)
     # (a BF16 plan's skip list may name modules that are no decoder linear, lm_head: unquantised anyway)
-    config = Plan(rungs={n: r for n, r in rungs.items() if n in set(linears)}, low="int4",
-                  group_size=group_size).ct_config(linears)
+    planned = {n: r for n, r in rungs.items() if n in set(linears)}
+    config = Plan(rungs=planned, low="int4", group_size=group_size,
+                  rung_set=tuple(sorted(set(planned.values()))) or ("bf16",)).ct_config(linears)
     groups = bool(config)
     if groups:
         apply_quantization_config(model, config, show_progress=False)
