@@ -16,6 +16,7 @@ Prints a table (init x budget) and one JSON object; ``--json F`` also writes it 
 the same adapter on the all-BF16 base (the merged route).
 """
 
+# ruff: noqa: B023  (served/merged/reset close over the budget loop's model and plan and run within that iteration)
 from __future__ import annotations
 
 import argparse
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["loss_merged"] = merged()
             print(json.dumps({k: v for k, v in row.items() if k != "output_error"}), file=sys.stderr, flush=True)
             res["rows"].append(row)
-        del model
+        model = None  # free this budget's model before the next loads
     if ref:
         gap = ref["nf4"] - ref["bf16"]
         for row in res["rows"]:
