@@ -74,31 +74,11 @@ def check_model_folder(model_path: Path) -> dict[str, Any]:
 
 
 def model_name(model: str | os.PathLike) -> str:
-    """How a record meant to travel names a model (a model card, an export's :data:`MARKER`, a trained adapter's
-    ``base_model``, a recipe's ``run.json``): a name, never a folder of this machine.
+    """How a record meant to travel names a model: :func:`gnmr_hf.offline.gguf_models.model_name` (the alias, the hub
+    id, else the folder's base name; never a folder of this machine)."""
+    from gnmr_hf.offline.gguf_models import model_name as name_of
 
-    - an offline alias (``gnmr_hf.offline.gguf_models.MODELS``), given as the alias or as its converted folder
-      (the cache folder is named after the alias), is the alias;
-    - a hub id (``org/name``, not an existing path) is itself, and a snapshot folder of the Hugging Face cache
-      (``.../models--org--name/snapshots/<commit>``) is the ``org/name`` it holds;
-    - any other folder is its base name (``/data/ckpt/my-llama``: ``my-llama``). Not the ``_name_or_path`` of its
-      config.json: a checkpoint saved after loading another one (a fine-tune, a merge) keeps its parent's id
-      there, which would name the parent for it.
-
-    The bitsandbytes card has named its source so from the start (``gnmr_hf.export.source_name`` is this).
-    """
-    from gnmr_hf.offline.gguf_models import MODELS, _looks_like_hub_id
-
-    name = str(model).rstrip("/") or str(model)
-    path = Path(os.path.expanduser(name))
-    if name in MODELS or (not path.exists() and _looks_like_hub_id(name)):
-        return name
-    parts = path.parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        hub = parts[-3][len("models--"):].replace("--", "/", 1)
-        if _looks_like_hub_id(hub):
-            return hub
-    return path.name or "model"
+    return name_of(model)
 
 
 def folder_name(folder: str | os.PathLike) -> str:

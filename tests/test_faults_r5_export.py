@@ -256,3 +256,20 @@ def test_the_training_folder_names_the_model(tmp_path, monkeypatch):
     saved = load_file(str(run / "adapter_model.safetensors"))
     params = dict(loaded.named_parameters())
     assert saved and all(torch.equal(params[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
+
+
+def test_a_profile_names_the_model_not_its_folder(tiny_llama_dir):
+    """profile.json travels with a training folder (and as the plan of step 2): its meta names the model by
+    gnmr_hf.offline.gguf_models.model_name (a folder's base name here), never the folder of this machine."""
+    import torch
+
+    import gnmr_hf
+    from tests.test_dual_path import load
+
+    model = gnmr_hf.prepare_dual_path(load(tiny_llama_dir, "nf4"), recovery_source=tiny_llama_dir, units="linears",
+                                      dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    prof = gnmr_hf.profile_sensitivity(model, [{"input_ids": ids, "labels": ids}], criteria=("first_order",))
+    assert model.config._name_or_path == str(tiny_llama_dir)  # what the profile saw: the folder
+    assert prof.meta["name_or_path"] == Path(tiny_llama_dir).name
+    assert str(tiny_llama_dir) not in json.dumps(prof.to_dict())

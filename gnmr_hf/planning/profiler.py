@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from gnmr_hf.offline.gguf_models import model_name
 from gnmr_hf.planning.criteria import _RUNNERS, DEFAULT_CRITERION, _criteria, _reference
 from gnmr_hf.planning.passes import _batch_digest, _device, _keep_modules, _prepare_batches, _set_path, _units
 from gnmr_hf.planning.planner import held_unit_bytes
@@ -83,8 +84,9 @@ def profile_sensitivity(
     out_units = [UnitScore(index=i, name=u.name, modules=u.modules, bytes=u.bytes, layer=u.layer, op=u.op,
                            scores={k: float(v[i]) for k, v in scores.items()}) for i, u in enumerate(info)]
     base = unwrap_model(model)
-    meta = {"model": type(base).__name__, "name_or_path": str(getattr(getattr(base, "config", None),
-                                                                      "_name_or_path", "") or ""),
+    # the model by its name (an alias, a hub id, a folder's base name), never this machine's folder: profile.json travels
+    raw = str(getattr(getattr(base, "config", None), "_name_or_path", "") or "")
+    meta = {"model": type(base).__name__, "name_or_path": model_name(raw) if raw else "",
             "device": str(_device(model)), "batch_tokens": counts,
             "batch_digests": [_batch_digest(b) for b in prepared]}
     identity = _recovery_identity(info)
