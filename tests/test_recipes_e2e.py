@@ -233,9 +233,11 @@ def test_nf4_adapter_loads_on_a_4bit_base(runs, smollm2_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["gnmr", "gnmr-nf4"])
-def test_two_process_cpu_ddp(precision, tmp_path):
+def test_two_process_cpu_ddp(precision, tmp_path, tiny_tok):
+    # the 2-process (gloo) plumbing of the recipes as shipped, on the tiny LLaMA with SmolLM2's tokenizer (--model; 2
+    # decoder layers): a launch is mostly imports, and the real model's figures are the one-process runs' above
     out = tmp_path / "ddp"
-    proc = _launch("cpu-ddp.yaml", precision, out)
+    proc = _launch("cpu-ddp.yaml", precision, out, "--model", str(tiny_tok))
     record = json.loads((out / "run.json").read_text())
     # the Trainer saw a 2-process (gloo) world, and only rank 0 wrote the outputs
     assert record["world_size"] == 2 and record["global_step"] == 3 and record["device"] == "cpu"
@@ -246,7 +248,7 @@ def test_two_process_cpu_ddp(precision, tmp_path):
     # one trace for both ranks: the promoted sets were agreed, so each line is written once
     lines = _trace(out)
     assert [x["step"] for x in lines] == [1, 2, 3]
-    assert all(len(x["gnmr"]) == LAYERS and len(x["active"]) <= 8 for x in lines)
+    assert all(len(x["gnmr"]) == 2 and len(x["active"]) <= 2 for x in lines)
     assert record["gnmr_summary"]["summary"]["steps"] == 3
 
 
