@@ -4,6 +4,7 @@ QLoRA run (slow)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,20 @@ def test_late_profile_on_a_trained_smollm2_adapter(tmp_path, smollm2_dir):
     root = tmp_path / "bench"
     env_cmd = [sys.executable, str(ROOT / "bench" / "value" / "qlora_budget.py")]
     subprocess.run([*env_cmd, "profile", "--out", str(root), "--batches", "1"], check=True, capture_output=True)
-    subprocess.run([*env_cmd, "run", "--method", "nf4", "--seed", "0", "--steps", "2", "--eval-problems", "4",
-                    "--out", str(root / "nf4" / "seed0"), "--save-adapter", str(root / "adapter")],
-                   check=True, capture_output=True)
+    # the whole run path as the runner starts it: its own interpreter in another folder, so nothing the test session
+    # imported helps it find recipes/finetune.py (a refactor once left qlora_budget's build importing the recipes'
+    # loader before anything put it on the path, and every run of a plan failed while the unit tests stayed green)
+    run = subprocess.run([*env_cmd, "run", "--method", "nf4", "--seed", "0", "--steps", "2", "--eval-problems", "4",
+                          "--out", str(root / "nf4" / "seed0"), "--save-adapter", str(root / "adapter")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((root / "nf4" / "seed0" / "result.json").read_text())
+    assert result["steps"] == 2 and len(result["train_losses"]) == 2
+    assert all(math.isfinite(x) for x in result["train_losses"])
+    served, merged = result["heldout_loss_served"], result["heldout_loss_merged"]
+    assert math.isfinite(served) and math.isfinite(merged) and served != merged  # two bases: NF4, then BF16
+    assert result["memory_over_nf4"] == 0 and result["served_weight_bytes"] == result["nf4_weight_bytes"]
+    assert result["peak_rss_bytes"] > result["trained_model_bytes"] > result["nf4_weight_bytes"]
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "value" / "late_profile.py"), "--root", str(root), "--adapter",
                            str(root / "adapter"), "--out", str(tmp_path / "late"), "--batches", "1",
                            "--eval-problems", "4", "--write-profile"], check=True, capture_output=True, text=True)

@@ -387,28 +387,8 @@ def test_the_text_held_out_loss_is_the_models_own_mean_token_loss(tiny_llama_dir
     assert qb.heldout_loss(model, None, other, None, batch_size=2) != got  # the last, lone block is counted
 
 
-def test_a_run_builds_and_trains_from_a_fresh_interpreter(smollm2_dir, tmp_path):
-    """The whole run path as the runner starts it (its own interpreter, so nothing the test session imported
-    helps it find recipes/finetune.py): one step of plain NF4 QLoRA on the real SmolLM2, scored on both routes.
-    A refactor once left ``build`` importing the recipes' loader before anything put it on the path, and
-    every run of a plan failed while the unit tests stayed green."""
-    import math
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "bench" / "value" / "qlora_budget.py"
-    run_dir = tmp_path / "nf4" / "seed0"
-    proc = subprocess.run([sys.executable, str(script), "run", "--method", "nf4", "--seed", "0", "--out", str(run_dir),
-                           "--steps", "1", "--eval-problems", "2"], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["steps"] == 1 and len(result["train_losses"]) == 1 and math.isfinite(result["train_losses"][0])
-    served, merged = result["heldout_loss_served"], result["heldout_loss_merged"]
-    assert math.isfinite(served) and math.isfinite(merged) and served != merged  # two bases: NF4, then BF16
-    assert result["memory_over_nf4"] == 0 and result["served_weight_bytes"] == result["nf4_weight_bytes"]
-    assert result["peak_rss_bytes"] > result["trained_model_bytes"] > result["nf4_weight_bytes"]
+# The whole run path from a fresh interpreter in another folder (one NF4 QLoRA run on the real SmolLM2, scored on both
+# routes) is checked by tests/test_late_profile.py::test_late_profile_on_a_trained_smollm2_adapter, whose run it is.
 
 
 def test_the_ladder_plot_places_a_plan_at_what_it_spent_not_at_its_budget(tmp_path):
