@@ -67,7 +67,8 @@ def extra_bytes_over_low(numel: int, rows: int, low: str, *, high: str = "bf16",
 def model_bytes(model) -> dict[str, int]:
     """What a loaded model holds: ``footprint`` (as ``get_memory_footprint()``: parameters and buffers,
     each shared tensor once), ``quant_state`` (bitsandbytes' 4-bit quant states and INT8 row scales)
-    and ``total``."""
+    and ``total``. bitsandbytes' ``Linear8bitLt`` moves its row scales from ``weight.SCB`` into its ``state`` on
+    its first forward; those are counted there, each once."""
     seen: set[int] = set()
     footprint = 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -83,6 +84,10 @@ def model_bytes(model) -> dict[str, int]:
         scb = getattr(p, "SCB", None)
         if scb is not None:
             state += scb.nelement() * scb.element_size()
+    moved = {id(m.state.SCB): m.state.SCB for m in model.modules()
+             if getattr(getattr(m, "state", None), "SCB", None) is not None
+             and getattr(getattr(m, "weight", None), "SCB", None) is None}
+    state += sum(t.nelement() * t.element_size() for t in moved.values())
     return {"footprint": footprint, "quant_state": state, "total": footprint + state}
 
 

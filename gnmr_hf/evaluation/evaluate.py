@@ -571,13 +571,7 @@ def held_after_scoring(model, scored: dict[str, Any]) -> dict[str, Any]:
 
     out = dict(scored)
     out.setdefault("weights_held_at_load_bytes", scored.get("weights_held_bytes"))
-    # bitsandbytes' Linear8bitLt moves its row scales (weight.SCB) into its state on the first forward, where
-    # model_bytes (which reads the parameters' SCB) does not look: counted here, each once
-    moved = {id(m.state.SCB): m.state.SCB for m in model.modules()
-             if getattr(getattr(m, "state", None), "SCB", None) is not None
-             and getattr(getattr(m, "weight", None), "SCB", None) is None}
-    out["weights_held_bytes"] = model_bytes(model)["total"] + sum(t.nelement() * t.element_size()
-                                                                  for t in moved.values())
+    out["weights_held_bytes"] = model_bytes(model)["total"]  # INT8 row scales moved by a forward included
     out["held_when"] = "after scoring"
     n, dtype = _decompressed_linears(model)
     if n:
