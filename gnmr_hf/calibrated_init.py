@@ -147,7 +147,8 @@ def gather_second_moments(peft_model: Any, batches: Any, modules: list[tuple[str
 
 def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: Any = None,
                          adapter_name: str = "default", damp: float = DEFAULT_DAMP,
-                         progress: bool = False, compare_loftq: bool = True) -> dict[str, Any]:
+                         progress: bool = False, compare_loftq: bool = True,
+                         ranks: dict[str, int] | None = None) -> dict[str, Any]:
     """Set every LoRA pair on a bitsandbytes 4-bit linear of ``peft_model`` to the closed-form rank-r
     correction minimising that linear's output error on ``batches`` (module docstring: CLoQ / QERA-exact).
 
@@ -162,6 +163,9 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
         damp: ``H``'s damping as a share of its mean diagonal.
         progress: a tqdm bar over the linears.
         compare_loftq: also compute LoftQ's output error for the summary (one more SVD per linear).
+        ranks: ``{linear: k}`` (any spelling of the name, :func:`gnmr_hf.units.short_name`): use only the first
+            ``k`` of that pair's ``r`` rank-one terms and leave the rest zero (the forward of an adapter with
+            PEFT's ``rank_pattern`` of ``k``, e.g. from :func:`allocate_ranks`); a linear not named uses all ``r``.
 
     Returns:
         A summary: ``{"linears": n calibrated, "skipped": n, "tokens": calibration tokens, "seconds": s,
@@ -200,9 +204,13 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
         error = weight.to(torch.float64).cpu() - low.to(torch.float64).cpu()
         h = hessians[name]
         rank, scaling = module.r[adapter_name], float(module.scaling[adapter_name])
+        use = rank if not ranks else min(rank, int(ranks.get(short_name(name), rank)))
         if last is None or last[0].shape != h.shape or not torch.equal(last[0], h):  # q/k/v, gate/up share inputs
             last = (h, hessian_roots(h, damp))
-        b, a = closed_form_pair(error, h, rank, scaling, damp, roots=last[1])
+        b, a = closed_form_pair(error, h, use, scaling, damp, roots=last[1])
+        if use < rank:  # the terms past k stay zero: the pair acts as a rank-k one
+            b = torch.cat([b, b.new_zeros(b.shape[0], rank - use)], 1)
+            a = torch.cat([a, a.new_zeros(rank - use, a.shape[1])], 0)
         lora_a, lora_b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
         with torch.no_grad():
             lora_a.copy_(a.to(lora_a.device, lora_a.dtype))
@@ -217,3 +225,88 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
         per_linear[short_name(name)] = [zero, calibrated]
     return {"linears": len(pairs), "skipped": skipped, "tokens": tokens, "damp": damp,
             "seconds": round(time.time() - t0, 2), "output_error": totals, "per_linear": per_linear}
+
+
+def error_spectra(peft_model: Any, batches: Any, model_path: Any, skip: Any = None, adapter_name: str = "default",
+                  damp: float = DEFAULT_DAMP) -> dict[str, Any]:
+    """Each 4-bit LoRA linear's output-error spectrum on ``batches``: the squared singular values of
+    ``E H^{1/2}`` (module docstring), largest first. Keeping the first ``k`` terms of the closed form leaves the
+    output error ``sum(s2[k:])`` (Eckart-Young), so ``s2[k]`` is what the ``k+1``-th rank buys.
+
+    Returns ``{"spectra": {linear: float64 tensor}, "shapes": {linear: (out, in)}, "tokens": n}`` keyed by
+    :func:`gnmr_hf.units.short_name`; arguments as :func:`calibrated_lora_init`'s."""
+    import bitsandbytes.functional as bf
+    import torch
+    from peft.utils.loftq_utils import _SafetensorLoader
+
+    from gnmr_hf.loftq import check_loftq_input
+    from gnmr_hf.units import short_name
+
+    check_loftq_input(peft_model, model_path, adapter_name, skip)
+    kept = {short_name(str(n)) for n in (skip or [])}
+    pairs = [(n, m) for n, m in _lora_4bit_pairs(peft_model, adapter_name) if short_name(n) not in kept]
+    hessians, tokens = gather_second_moments(peft_model, batches, pairs)
+    loader = _SafetensorLoader(peft_model, str(model_path))
+    spectra: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, int]] = {}
+    last = None
+    for name, module in pairs:
+        base = module.get_base_layer()
+        weight = loader.get_tensor(name.removeprefix("base_model.model.") + ".weight")
+        low = bf.dequantize_4bit(base.weight.data, base.weight.quant_state)
+        error = weight.to(torch.float64).cpu() - low.to(torch.float64).cpu()
+        h = hessians[name]
+        if last is None or last[0].shape != h.shape or not torch.equal(last[0], h):
+            last = (h, hessian_roots(h, damp))
+        spectra[short_name(name)] = torch.linalg.svdvals(error @ last[1][0]) ** 2
+        shapes[short_name(name)] = tuple(error.shape)
+    return {"spectra": spectra, "shapes": shapes, "tokens": tokens}
+
+
+def allocate_ranks(spectra: dict[str, Any], shapes: dict[str, tuple[int, int]], rank: int, min_rank: int = 1,
+                   max_rank: int | None = None) -> dict[str, int]:
+    """Ranks for the linears at the adapter bytes of ``rank`` on each (``sum(rank * (out + in))`` parameters),
+    spent where the output error is: starting from ``min_rank`` each, the next rank goes, greedily, to the linear
+    whose next squared singular value (:func:`error_spectra`) per parameter it costs (``out + in``) is largest,
+    up to ``max_rank`` (default ``2 * rank``) and the linear's smaller dimension. The spectra fall, so the greedy
+    takes each linear's terms in order; the sum of parameters never exceeds the uniform adapter's.
+
+    Returns ``{linear: k}`` for PEFT's ``LoraConfig(rank_pattern=...)`` (keys as given)."""
+    import heapq
+
+    if rank < 1 or min_rank < 1 or min_rank > rank:
+        raise ValueError(f"allocate_ranks: need 1 <= min_rank ({min_rank}) <= rank ({rank})")
+    top = 2 * rank if max_rank is None else int(max_rank)
+    if top < rank:
+        raise ValueError(f"allocate_ranks: max_rank ({top}) below rank ({rank})")
+    if set(spectra) != set(shapes):
+        raise ValueError("allocate_ranks: spectra and shapes name different linears")
+    cost = {n: int(shapes[n][0]) + int(shapes[n][1]) for n in spectra}
+    cap = {n: min(top, min(int(shapes[n][0]), int(shapes[n][1]))) for n in spectra}
+    ranks = {n: min(min_rank, cap[n]) for n in spectra}
+    left = sum(min(rank, cap[n]) * cost[n] for n in spectra) - sum(ranks[n] * cost[n] for n in spectra)
+    s2 = {n: [float(v) for v in spectra[n]] for n in spectra}
+
+    def gain(n: str) -> float:
+        k = ranks[n]
+        return s2[n][k] if k < len(s2[n]) else 0.0
+
+    heap = [(-gain(n) / cost[n], n) for n in spectra if ranks[n] < cap[n]]
+    heapq.heapify(heap)
+    while heap:
+        _, n = heapq.heappop(heap)
+        if cost[n] > left:
+            continue  # a cheaper linear may still fit
+        ranks[n] += 1
+        left -= cost[n]
+        if ranks[n] < cap[n]:
+            heapq.heappush(heap, (-gain(n) / cost[n], n))
+    return ranks
+
+
+def peft_rank_pattern(ranks: dict[str, int], rank: int) -> dict[str, int]:
+    """``ranks`` (:func:`allocate_ranks`) as PEFT's ``LoraConfig(rank_pattern=...)``: the linears whose rank is not
+    ``rank``, each name escaped (PEFT matches a key as a regular expression against the end of a module's name)."""
+    import re
+
+    return {re.escape(n): int(k) for n, k in sorted(ranks.items()) if int(k) != int(rank)}

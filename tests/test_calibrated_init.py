@@ -165,3 +165,59 @@ def test_recipe_runs_two_steps_with_calibrated_init(tmp_path, tiny_tok, config, 
     assert cal["output_error"]["calibrated"] < cal["output_error"]["loftq"] < cal["output_error"]["zero"]
     assert json.loads((out / "run.json").read_text())["config"]["lora"]["lora_init"] == "calibrated"
     assert (out / "adapter_config.json").is_file()
+
+
+def test_allocate_ranks_by_hand_and_against_brute_force():
+    import itertools
+
+    spectra = {"a": torch.tensor([10.0, 5.0, 4.0, 1.0]), "b": torch.tensor([3.0, 2.0, 1.0, 0.5])}
+    shapes = {"a": (4, 4), "b": (4, 4)}
+    # 2 x rank 2 x 8 parameters = 32 = four rank-ones of 8: one each to start, then a's 5 (> b's 2), a's 4 (> 2)
+    assert ci.allocate_ranks(spectra, shapes, rank=2) == {"a": 3, "b": 1}
+    assert ci.allocate_ranks(spectra, shapes, rank=2, min_rank=2) == {"a": 2, "b": 2}  # nothing to move
+    # unequal costs: the greedy's choice keeps the best residual error of every allocation within the parameters
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q": (6, 4), "k": (2, 4), "o": (4, 6)}
+    spectra = {n: torch.rand(min(s), generator=g).sort(descending=True).values * (i + 1)
+               for i, (n, s) in enumerate(shapes.items())}
+    got = ci.allocate_ranks(spectra, shapes, rank=1, min_rank=1, max_rank=4)
+    cost = {n: sum(s) for n, s in shapes.items()}
+    limit = sum(min(1, min(s)) * cost[n] for n, s in shapes.items())
+    assert sum(got[n] * cost[n] for n in got) <= limit
+
+    def residual(ks):
+        return sum(float(spectra[n][k:].sum()) for n, k in ks.items())
+
+    best = min(residual(dict(zip(shapes, ks))) for ks in itertools.product(*[range(1, min(4, min(s)) + 1)
+               for s in shapes.values()]) if sum(k * cost[n] for n, k in zip(shapes, ks)) <= limit)
+    assert residual(got) == pytest.approx(best)
+    with pytest.raises(ValueError, match="min_rank"):
+        ci.allocate_ranks(spectra, shapes, rank=2, min_rank=3)
+    assert ci.peft_rank_pattern({"layers.1.mlp.up_proj": 3, "layers.0.mlp.up_proj": 2}, 2) == \
+        {r"layers\.1\.mlp\.up_proj": 3}
+
+
+def test_ranked_init_is_the_forward_of_a_peft_rank_pattern_adapter(tiny_llama_dir):
+    calib, held = [{"input_ids": _ids(7, n=8, t=32)}], _ids(8)
+    wide = _qlora(tiny_llama_dir, rank=8, alpha=8)  # twice the rank: the unused terms stay zero
+    spec = ci.error_spectra(wide, calib, tiny_llama_dir)
+    ranks = ci.allocate_ranks(spec["spectra"], spec["shapes"], rank=4, min_rank=1, max_rank=8)
+    assert len(set(ranks.values())) > 1  # some rank did move
+    assert sum(k * sum(spec["shapes"][n]) for n, k in ranks.items()) <= sum(4 * sum(s) for s in spec["shapes"].values())
+    summary = ci.calibrated_lora_init(wide, calib, tiny_llama_dir, ranks=ranks)
+    # the same adapter built by stock PEFT with that rank_pattern, initialised by the closed form at its own ranks
+    cfg = peft.LoraConfig(r=4, lora_alpha=4, target_modules=LINEARS, lora_dropout=0.0,
+                          rank_pattern=ci.peft_rank_pattern(ranks, 4), alpha_pattern=ci.peft_rank_pattern(ranks, 4))
+    stock = peft.get_peft_model(load(tiny_llama_dir, "nf4"), cfg)
+    got_ranks = {n: m.r["default"] for n, m in stock.named_modules() if hasattr(m, "lora_A") and "default" in m.r}
+    from gnmr_hf.units import short_name
+
+    assert {short_name(n): k for n, k in got_ranks.items()} == ranks
+    ci.calibrated_lora_init(stock, calib, tiny_llama_dir)
+    wide.eval()
+    stock.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(wide, held), logits(stock, held), rtol=1e-4, atol=1e-4)
+    # spending the same parameters where the error is leaves less output error than the uniform rank 4
+    uniform = ci.calibrated_lora_init(_qlora(tiny_llama_dir, rank=4, alpha=4), calib, tiny_llama_dir)
+    assert summary["output_error"]["calibrated"] < uniform["output_error"]["calibrated"]

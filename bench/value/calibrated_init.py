@@ -30,6 +30,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1] / "recipes")]
 
 INITS = ("zero", "loftq", "calibrated")
+#: named explicitly (``--inits ...,calibrated-rp``): the calibrated init with the adapter's rank where the error
+#: is (gnmr_hf.calibrated_init.allocate_ranks), at the uniform adapter's parameters; scored on a model built with
+#: twice the rank whose unused terms stay zero (the forward of PEFT's rank_pattern adapter)
+RANKED = "calibrated-rp"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-batches", type=int, default=0,
                     help="training batches to calibrate on (0: profile_ladder.json's, the profile's own batches)")
     ap.add_argument("--damp", type=float, default=None, help="H's damping (default gnmr_hf.calibrated_init's)")
+    ap.add_argument("--min-rank", type=int, default=1, help=f"{RANKED}: the least rank a linear keeps")
     ap.add_argument("--merged", action="store_true", help="also score each adapter on the all-BF16 base")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--threads", type=int, default=1)
@@ -57,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import gnmr_hf
     from gnmr_hf.backends.base import set_active_units
-    from gnmr_hf.calibrated_init import DEFAULT_DAMP, calibrated_lora_init
+    from gnmr_hf.calibrated_init import DEFAULT_DAMP, allocate_ranks, calibrated_lora_init, error_spectra
     from gnmr_hf.loftq import replace_lora_weights_loftq
-    from gnmr_hf.units import resolve_units
+    from gnmr_hf.units import resolve_units, short_name
 
     root = Path(args.out)
     setting = qb.read_setting(root)
@@ -76,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ref: dict[str, float] = {}
     for pct in budgets:
         rungs = qb.ladder_plan("lad", pct, ladder) if pct else None
-        model, tok, recipe, path = qb.build(scratch, 0, 30, root / "data", rungs=rungs, setting=setting)
+        model, tok, recipe, path = build(qb, scratch, root, rungs, setting, RANKED in inits, args.min_rank)
         model.eval()
         units = resolve_units(model)
         everything = list(range(len(units)))
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             test = qb.heldout_set(recipe, tok, root / "data", args.blocks)
             calib = qb.profile_batches(recipe, tok, scratch, n_calib)
             res["calib_tokens"] = int(sum(int(b["attention_mask"].sum()) for b in calib))
-            res["lora"] = {"r": recipe.lora.lora_r, "alpha": recipe.lora.lora_alpha}
+            half = 2 if RANKED in inits else 1  # the recipe's rank (build doubled it for the ranked init)
+            res["lora"] = {"r": recipe.lora.lora_r // half, "alpha": recipe.lora.lora_alpha / half}
         plain = qb._plain_names(qb._meta_model(model), units)
         planned = [i for i, n in enumerate(plain) if rungs and n in rungs]
         skip = [units[u][0] for u in planned]
@@ -131,9 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                                                                     for r in ("int8", "bf16")}}
             if init == "loftq":
                 replace_lora_weights_loftq(model, path, skip=skip, progress=False)
-            elif init == "calibrated":
+            elif init in ("calibrated", RANKED):
                 set_active_units(model, planned, units)  # calibrated on the served model's inputs
-                summary = calibrated_lora_init(model, calib, path, skip=skip, damp=damp)
+                ranks = None
+                if RANKED in inits:  # the model holds 2r per pair: the uniform init uses r of them
+                    r = recipe.lora.lora_r // 2
+                    if init == RANKED:
+                        spec = error_spectra(model, calib, path, skip=skip, damp=damp)
+                        ranks = allocate_ranks(spec["spectra"], spec["shapes"], r, min_rank=args.min_rank)
+                        row["ranks"] = {"min": min(ranks.values()), "max": max(ranks.values()),
+                                        "params": sum(k * sum(spec["shapes"][n]) for n, k in ranks.items()),
+                                        "uniform_params": sum(r * sum(v) for v in spec["shapes"].values())}
+                    else:
+                        ranks = {short_name(n): r for n, m in model.named_modules() if hasattr(m, "lora_A")}
+                summary = calibrated_lora_init(model, calib, path, skip=skip, damp=damp, ranks=ranks)
                 row["output_error"] = summary["output_error"]
                 row["linears"] = summary["linears"]
             row["init_seconds"] = round(time.perf_counter() - t0, 1)
@@ -155,6 +172,27 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0
+
+
+def build(qb, scratch: Path, root: Path, rungs, setting, double_rank: bool, min_rank: int):
+    """``qb.build``'s model; with ``double_rank`` the LoRA pairs hold twice the recipe's rank (alpha twice too,
+    so the scaling is the recipe's), for the ranked init to move rank between linears."""
+    if not double_rank:
+        return qb.build(scratch, 0, 30, root / "data", rungs=rungs, setting=setting)
+    import finetune
+    import torch
+
+    import gnmr_hf
+
+    recipe, tokenizer, path = qb.load_recipe(scratch, 0, 30, root / "data", "float32", setting)
+    if min_rank > recipe.lora.lora_r:
+        raise SystemExit(f"--min-rank {min_rank} above the recipe's rank {recipe.lora.lora_r}")
+    recipe.lora.lora_r *= 2
+    recipe.lora.lora_alpha *= 2
+    model = finetune.load_model(recipe, path)
+    gnmr_hf.prepare_dual_path(model, recovery_source=path, storage="host", units="linears",
+                              dtype=torch.float32, rungs=rungs)
+    return model, tokenizer, recipe, path
 
 
 def table(res: dict) -> str:
