@@ -21,40 +21,28 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
-LOW_FORMATS = ("nf4", "fp4", "int8")
+from gnmr_hf.rungs import LinearBytes, RungError, get_rung, rung_names
 
+LOW_FORMATS = ("nf4", "fp4", "int8")  # bitsandbytes' low formats (stock loaders)
 
-@dataclass(frozen=True)
-class LinearBytes:
-    """Bytes of one linear's weight: ``counted`` by ``get_memory_footprint()``, ``state`` beside it."""
-
-    counted: int
-    state: int
-
-    @property
-    def total(self) -> int:
-        return self.counted + self.state
+__all__ = ["LOW_FORMATS", "LinearBytes", "extra_bytes_over_low", "model_bytes", "parse_budget", "parse_memory_budget",
+           "predict_model_bytes", "weight_bytes"]
 
 
 def weight_bytes(numel: int, rows: int, fmt: str, *, dtype_bytes: int = 2, blocksize: int = 64,
                  double_quant: bool = False) -> LinearBytes:
-    """Bytes of a linear weight of ``numel`` elements (``rows`` output features) stored in ``fmt``:
-    ``"bf16"`` (or any unquantised dtype of ``dtype_bytes``), ``"nf4"``, ``"fp4"`` or ``"int8"``."""
-    if fmt in ("bf16", "fp16", "fp32", "high"):
-        return LinearBytes(numel * dtype_bytes, 0)
-    if fmt in ("nf4", "fp4"):
-        blocks = math.ceil(numel / blocksize)
-        if double_quant:
-            blocks2 = math.ceil(blocks / 256)
-            state = blocks + 4 + 4 * blocks2 + 4 * 256 + 4 * 16
-        else:
-            state = 4 * blocks + 4 * 16
-        return LinearBytes(math.ceil(numel / 2), state)
-    if fmt == "int8":
-        return LinearBytes(numel, 4 * rows)
-    raise ValueError(f"unknown weight format {fmt!r}; known: bf16, {', '.join(LOW_FORMATS)}")
+    """Bytes of a linear weight of ``numel`` elements (``rows`` output features) stored in ``fmt``: a registered
+    rung (:mod:`gnmr_hf.rungs`: ``"bf16"``, ``"nf4"``, ``"fp4"``, ``"int8"``, ``"int4"``, or one a user
+    registered), or ``"fp16"`` / ``"fp32"`` / ``"high"`` (an unquantised dtype of ``dtype_bytes``). The rung's own
+    ``bytes`` function: the one place a rung's bytes are computed."""
+    if fmt in ("fp16", "fp32", "high"):
+        fmt = "bf16"
+    try:
+        rung = get_rung(fmt)
+    except RungError:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(rung_names())}") from None
+    return rung.bytes(numel, rows, dtype_bytes=dtype_bytes, blocksize=blocksize, double_quant=double_quant)
 
 
 def extra_bytes_over_low(numel: int, rows: int, low: str, *, high: str = "bf16", dtype_bytes: int = 2,

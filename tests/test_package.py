@@ -236,7 +236,7 @@ LAYERS = {
     "core": {"core"},
     "units": set(),
     "_import_utils": set(),
-    "backends": {"backends", "units", "_import_utils"},
+    "backends": {"backends", "units", "_import_utils", "rungs"},
     "trainer": {"trainer", "core", "backends", "units", "_import_utils"},
     "reporting": {"reporting", "_import_utils"},
     "offline": {"offline", "_import_utils"},
@@ -245,21 +245,21 @@ LAYERS = {
     # plan file against the model); memory: the summary states the bytes the scored model holds (model_bytes)
     "evaluation": {"evaluation", "reporting", "offline", "hardware", "backends", "_import_utils", "planning", "memory", "strict_json"},
     "hardware": set(),
-    "memory": set(),  # byte accounting from shapes: imports nothing of the package
+    "memory": {"rungs"},  # byte accounting from shapes: each rung's bytes from the rung registry
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
     # reads profile.json, prices, resolves aliases; its CLI's --format compressed-tensors calls export_ct (which
     # imports export's ExportError back at its top: export imports export_ct only inside main())
-    "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json"},
+    "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json", "exports", "rungs"},
     # what both exports share: the output-folder contract (paths only), the published model name (the alias list) and
     # check_sources, which calls load_planned's plan check and eval's adapter check (inside the function)
     "export_folder": {"offline", "planning", "evaluation"},
     # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
-    "export_ct": {"export_folder", "planning", "backends", "strict_json"},
+    "export_ct": {"export_folder", "planning", "backends", "strict_json", "rungs"},
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     "calibrated_init": {"calibrated_init", "loftq", "units"},  # closed-form output-error LoRA init (CLoQ / QERA)
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
     # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory
-    "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe", "strict_json"},
+    "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe", "strict_json", "rungs"},
     # the recipe format and its data (recipes/finetune.py and gnmr-hf profile read it): criteria names and budget
     # currencies from the planner's criteria/budget modules, which import nothing of it back
     "recipe": {"recipe", "core", "planning", "memory", "offline", "hardware"},
@@ -268,6 +268,7 @@ LAYERS = {
     "sparse": {"sparse", "backends", "units"},
     # the entry points' argument checks before torch / transformers: the alias resolver's cheap half, the budget parser
     "preflight": {"offline", "memory"},
+    "rungs": {"rungs"},  # the rung registry: one file per precision (bytes, fake quantisation, module, exports)
     "strict_json": set(),  # the one reader of plan / profile JSON files (a key named twice is refused)
 }
 
