@@ -1,11 +1,11 @@
 """Budget currencies: extra BF16 bytes (``10%``, ``0.1``, ``300MB``) and memory over the all-low model
 (``+10%nf4``), and the price table in both.
 
-The recipes' one currency (:func:`served_budget`, docs/profile.md "The one budget currency"): every budget is
-what the plan adds to the served model over the all-low one, BF16 rungs at BF16 bytes, INT8 rungs as
-bitsandbytes stores them, less the low bytes they replace, whatever dtype training computes in;
-:func:`budget_refusal` says in one line why a budget cannot be planned and :func:`planner_budget` turns it
-into the BF16 planner's own unit."""
+The one currency (:func:`served_budget`, docs/profile.md "The one budget currency"): every budget is what the
+plan adds to the served model over the all-low one, BF16 rungs at BF16 bytes, INT8 rungs as bitsandbytes stores
+them, less the low bytes they replace, whatever dtype training computes in; :func:`budget_refusal` says in one
+line why a budget cannot be planned. :func:`gnmr_hf.planning.make.make_plan` plans in it directly (no
+conversion into BF16 bytes)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,13 @@ if TYPE_CHECKING:
 def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[str], low: str,
                   double_quant: bool = False) -> dict[str, Any] | None:
     """A budget written as memory over the all-low model (``"+10%nf4"``, :func:`gnmr_hf.memory.parse_memory_budget`)
-    turned into the planner's currency, BF16 bytes of kept linears; ``None`` for a budget in another form.
+    in bytes over that model as served; ``None`` for a budget in another form.
 
     The all-low model is ``model_path``'s checkpoint as a stock load stores it (``modules``, the quantised
     linears, in ``low`` with their quant states; everything else in BF16), priced from its config on the
-    meta device (:func:`gnmr_hf.memory.predict_model_bytes`). Each kept linear costs
-    :func:`~gnmr_hf.memory.extra_bytes_over_low` over ``low``; the BF16 budget is the memory budget times
-    the linears' BF16 bytes per byte of that price (for NF4 and FP4 each linear costs 1.4375 bytes a weight
-    less its 64-byte code table, so the ratio is 2 / 1.4375 to within the code tables' share).
+    meta device (:func:`gnmr_hf.memory.predict_model_bytes`).
 
-    Returns ``{"fraction", "low", "low_model_bytes", "over_low_bytes", "bf16_per_over_byte", "bf16_budget"}``.
+    Returns ``{"fraction", "low", "low_model_bytes", "over_low_bytes", "bf16_per_over_byte"}``.
 
     Raises:
         ValueError: the budget names another low path than ``low`` (one line).
@@ -47,18 +44,14 @@ def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[st
     if cur != low:
         raise ValueError(f"budget {text!r} is memory over the {cur} model, but this model's low path is {low}")
     out = over_low_prices(model_path, modules, low, double_quant)
-    over = int(fraction * out["low_model_bytes"])
-    # the smallest BF16-bytes-per-price ratio of any linear: a BF16 set within bf16_budget then costs at most
-    # `over` as served (the aggregate ratio would let a set of the largest linears overshoot by their code tables)
-    return {"fraction": fraction, **out, "over_low_bytes": over,
-            "bf16_budget": int(over * out["min_bf16_per_over_byte"])}
+    return {"fraction": fraction, **out, "over_low_bytes": int(fraction * out["low_model_bytes"])}
 
 
 def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: str,
                     double_quant: bool = False) -> dict[str, Any]:
-    """``{"low", "low_model_bytes", "bf16_per_over_byte", "min_bf16_per_over_byte"}``: the all-low model's bytes
-    as a stock load stores it, and the kept linears' BF16 bytes per byte they cost over ``low`` (all of them
-    together, and the smallest of any one linear; see :func:`memory_budget`)."""
+    """``{"low", "low_model_bytes", "bf16_per_over_byte"}``: the all-low model's bytes as a stock load stores it,
+    and the quantised linears' BF16 bytes per byte they cost over ``low``, all of them together (a display ratio
+    for tables and plots of plans priced in BF16 bytes; no plan is chosen by it)."""
     from gnmr_hf.memory import extra_bytes_over_low, predict_model_bytes
 
     meta = _meta_model(model_path)
@@ -70,8 +63,7 @@ def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: 
     bf16 = {m: mods[m].weight.numel() * 2 for m in modules}
     price = {m: extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low, double_quant=double_quant)
              for m in modules}
-    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": sum(bf16.values()) / sum(price.values()),
-            "min_bf16_per_over_byte": min(bf16[m] / price[m] for m in modules)}
+    return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": sum(bf16.values()) / sum(price.values())}
 
 
 def _meta_model(model_path: str | os.PathLike):
@@ -141,27 +133,6 @@ def budget_refusal(text: str, budget: int, cheapest: Sequence[tuple[int, str]], 
         return (f"{head} exceeds what there is to keep: all {len(dearest)} linears on their dearest rung add "
                 f"{_bytes(total)} over {lo} (precision bf16 trains without quantisation)")
     return None
-
-
-def planner_budget(scores: Sequence[float], sizes: Sequence[int], prices: Sequence[int], budget: int) -> int:
-    """The largest BF16 planner's budget (in ``sizes``, the profile's unit bytes) whose greedy set
-    (``greedy_select``, the planner's own choice) costs at most ``budget`` in ``prices`` (the served currency);
-    0 when none does. ``gnmr_hf.plan(profile, budget_bytes=planner_budget(...))`` then plans within ``budget``
-    as served."""
-    from gnmr_hf.planning.planner import greedy_select
-
-    pairs = [(s, p) for s, p in zip(sizes, prices) if s > 0 and p > 0]
-    if not pairs or budget <= 0:
-        return 0
-    # no set that costs at most `budget` is larger than this
-    b = min(sum(sizes), int(budget * max(s / p for s, p in pairs)))
-    while b > 0:
-        chosen = greedy_select(scores, sizes, b)
-        if sum(prices[i] for i in chosen) <= budget:
-            return b
-        # the greedy set is the same for every budget from its own size up to b: the next candidate is below it
-        b = sum(sizes[i] for i in chosen) - 1
-    return 0
 
 
 def format_price_table(plans: Sequence[PrecisionPlan], over_low: dict[str, Any] | None = None) -> str:
