@@ -255,6 +255,7 @@ LAYERS = {
     "export_folder": {"offline", "planning", "evaluation"},
     # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
     "export_ct": {"export_folder", "planning", "backends", "strict_json", "rungs"},
+    "export_gguf": {"offline", "planning", "export_folder", "strict_json", "memory"},  # the GGUF export (llama.cpp)
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     "calibrated_init": {"calibrated_init", "loftq", "units"},  # closed-form output-error LoRA init (CLoQ / QERA)
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
@@ -271,6 +272,8 @@ LAYERS = {
     # the entry points' argument checks before torch / transformers: the alias resolver's cheap half, the budget parser
     "preflight": {"offline", "memory"},
     "rungs": {"rungs"},  # the rung registry: one file per precision (bytes, fake quantisation, module, exports)
+    # the export dispatcher: one file per format (bitsandbytes, compressed-tensors) and the model card
+    "exports": {"exports", "export_folder", "export_ct", "planning", "memory", "offline", "rungs", "strict_json"},
     "strict_json": set(),  # the one reader of plan / profile JSON files (a key named twice is refused)
 }
 
