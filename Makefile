@@ -1,7 +1,8 @@
 # make demo: installs what the demo needs (once; again when pyproject.toml changes), then runs the
-# one-command demo (docs/recipes.md): trains the three SmolLM2-135M recipes (bf16, int8, gnmr),
-# evaluates them, prints the comparison and writes the plots; make demo DEMO_ARGS="--low nf4" runs
-# bf16, nf4 (QLoRA) and planned-nf4 (a profile's 10 % of extra BF16 bytes) instead.
+# one-command demo (docs/recipes.md): trains five SmolLM2-135M recipes on the same data and steps (bf16 LoRA,
+# nf4 QLoRA, the precision ladder at +10 % over NF4 and its calibrated init on one profile's plan, gnmr-nf4),
+# scores their held-out loss and the gap each closes, evaluates them, prints the comparison and writes the
+# plots; make demo DEMO_ARGS="--compare int8" runs the paper's INT8 trio (bf16, int8, gnmr) instead.
 # make install: the CPU install from the README. Extra demo options: make demo DEMO_ARGS="--threads 1"
 # Both use the environment `make test` installs into: the active virtual environment, else ./.venv (created).
 ifdef VIRTUAL_ENV
