@@ -104,8 +104,9 @@ def test_profile_refuses_an_unknown_name_in_one_line(fake_cache, tmp_path, capsy
 @pytest.mark.parametrize("alias", ALIASES)
 def test_eval_takes_every_alias(fake_cache, alias, monkeypatch):
     from gnmr_hf.evaluation import evaluate as ev
+    from gnmr_hf.evaluation import run
 
-    monkeypatch.setattr(ev, "_harness_model", _stop)
+    monkeypatch.setattr(run, "_harness_model", _stop)
     with pytest.raises(_Reached) as e:
         ev.main(["--model", alias, "--tasks", "wikitext"])
     assert Path(e.value.args[0]) == fake_cache / alias

@@ -73,13 +73,24 @@ def test_mixed_base_computes_what_the_dual_path_model_computes(tiny3, bnb_cpu):
     torch.testing.assert_close(got, planned, rtol=1e-5, atol=1e-5)  # ... and the stock load is that set
 
 
+def _write_profile(path, skip_modules):
+    """A profile as gnmr-hf profile writes one (SensitivityProfile.to_json), with its skip list: the file
+    read_skip_modules reads through Plan.load."""
+    from gnmr_hf.planning.results import SensitivityProfile, UnitScore
+
+    units = [UnitScore(index=i, name=n.removeprefix("model."), modules=[n], bytes=64, layer=int(n.split(".")[2]),
+                       op=n.split(".")[-1], scores={"first_order": 1.0}) for i, n in enumerate(PLANNED)]
+    profile = SensitivityProfile(units=units, criteria=["first_order"], losses={"low": 2.0, "high": 1.5}, costs={},
+                                 batches=1, tokens=8, keep_modules=["lm_head"])
+    return profile.to_json(path, skip_modules=skip_modules)
+
+
 def test_read_skip_modules_from_a_list_or_a_profile_json(tmp_path):
     from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
 
     assert read_skip_modules(None) is None and read_skip_modules("") is None
     assert read_skip_modules("lm_head, model.layers.0.self_attn.v_proj") == ["lm_head", "model.layers.0.self_attn.v_proj"]
-    prof = tmp_path / "profile.json"
-    prof.write_text(json.dumps({"criterion": "first_order", "skip_modules": ["lm_head", *PLANNED]}))
+    prof = _write_profile(tmp_path / "profile.json", ["lm_head", *PLANNED])
     assert read_skip_modules(str(prof)) == ["lm_head", *PLANNED]
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"units": []}))
@@ -102,7 +113,7 @@ def test_skip_modules_on_a_bf16_base_is_refused_in_one_line(tiny3, capsys):
 def test_a_profile_folder_means_its_profile_json(tmp_path):
     from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
 
-    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": ["lm_head", *PLANNED]}))
+    _write_profile(tmp_path / "profile.json", ["lm_head", *PLANNED])
     # the folder was taken as one module name before, which matched nothing
     assert read_skip_modules(str(tmp_path)) == ["lm_head", *PLANNED]
     (tmp_path / "sub").mkdir()
@@ -113,7 +124,7 @@ def test_a_profile_folder_means_its_profile_json(tmp_path):
 def test_an_empty_skip_list_in_a_profile_is_refused(tmp_path):
     from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
 
-    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": []}))
+    _write_profile(tmp_path / "profile.json", [])
     with pytest.raises(EvalError, match="empty, which keeps nothing unquantised"):
         read_skip_modules(str(tmp_path / "profile.json"))
 
@@ -142,7 +153,7 @@ def test_the_eval_states_how_many_linears_it_kept(tiny3, capsys):
 def test_eval_cli_with_the_profile_folder(tiny3, tmp_path, capsys):
     from gnmr_hf.cli import main
 
-    (tmp_path / "profile.json").write_text(json.dumps({"skip_modules": ["lm_head", "nothing.here"]}))
+    _write_profile(tmp_path / "profile.json", ["lm_head", "nothing.here"])
     assert main(["eval", "--model", str(tiny3), "--precision", "nf4", "--skip-modules", str(tmp_path),
                  "--tasks", "wikitext"]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "gnmr-hf" in line]
