@@ -27,10 +27,9 @@ from gnmr_hf.backends.dispatch import prepare_dual_path
 from gnmr_hf.core.controller import init_steps_from_fraction
 from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
 from gnmr_hf.planning.ladder import _check_same_model
-from gnmr_hf.planning.make import make_plan, plan_budget, plan_gains, plan_prices
-from gnmr_hf.planning.passes import _prepare_batches, _units
+from gnmr_hf.planning.make import make_plan, plan_budget, plan_gains, plan_prices, precision_plan
+from gnmr_hf.planning.passes import _units
 from gnmr_hf.planning.plan import Plan, PlanError
-from gnmr_hf.planning.planner import PrecisionPlan, measure_plan
 from gnmr_hf.planning.profiler import model_identity
 from gnmr_hf.planning.results import SensitivityProfile
 from gnmr_hf.recipe import NF4_PRECISIONS, Recipe, RecipeError
@@ -220,32 +219,6 @@ def bf16_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any, d
     return policy, record
 
 
-def precision_plan(plan: Plan, profile: SensitivityProfile, model=None, batches=None) -> PrecisionPlan:
-    """A BF16-only :class:`~gnmr_hf.planning.plan.Plan` over ``profile``'s units as the controller's
-    :class:`~gnmr_hf.planning.planner.PrecisionPlan` (its unit indices, BF16 bytes, predicted and, with ``model``
-    and ``batches``, measured gap closed on the profile batches: one forward). ``budget_bytes`` is the plan's
-    budget as served over the low model."""
-    chosen = [i for i, u in enumerate(profile.units) if any(m in plan.rungs for m in u.modules)]
-    gain_score = plan.chosen_by.get("criterion") if plan.chosen_by.get("criterion") in ("loss", "first_order") \
-        else None
-    predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
-    gap = profile.gap
-    view = PrecisionPlan(
-        criterion=plan.chosen_by.get("criterion"), budget_bytes=plan.budget_bytes,
-        total_bytes=profile.total_bytes, indices=chosen, names=[profile.units[i].name for i in chosen],
-        modules=[m for i in chosen for m in profile.units[i].modules], bytes=sum(profile.units[i].bytes for i in chosen),
-        predicted_gain=predicted, predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap,
-        gain_score=gain_score, keep_modules=list(profile.keep_modules), groups=plan.groups)
-    if model is not None:
-        held = _held(_units(model, "linears"))
-        view.held_bytes = sum(held[i] for i in chosen)
-        if batches is not None:
-            prepared, _ = _prepare_batches(model, batches)
-            view.measured["profile"] = measure_plan(model, chosen, prepared,
-                                                    reference=(profile.losses["low"], profile.losses["high"]))
-    return view
-
-
 def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any, dict[str, Any]]:
     """``profile.rungs: [int8, bf16]``: the precision ladder. Every decoder linear's first-order gain on each rung
     is measured on ``batches`` with a stock-loaded NF4 model (a second load, freed before training), the rungs are
@@ -317,7 +290,7 @@ def _rung_policy(recipe: Recipe, model, model_path: str, plan: Plan) -> tuple[An
     record = {"rungs": chosen, "rung_counts": counts, "indices": indices, "modules": sorted(chosen),
               "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
               **_currency_record(plan.budget, plan.budget_bytes, nf4, plan.price_bytes, policy.set_bytes),
-              "policy": "static", "stored_bytes_per_bf16_byte": stored_bytes_per_bf16_byte(model),
+              "policy": "static", "stored_bytes_per_bf16_byte": torch.finfo(getattr(torch, script.compute_dtype)).bits / 16,
               "groups": plan.groups, "low": "nf4"}
     return policy, record
 

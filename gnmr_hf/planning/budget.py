@@ -99,7 +99,7 @@ def served_budget(text: str, low_model_bytes: int, all_bf16_price: int, low: str
     """
     from gnmr_hf.memory import parse_memory_budget
 
-    memory = parse_memory_budget(str(text))
+    memory = parse_memory_budget(str(text), lows=("nf4", "fp4", "int8", "int4"))
     if memory is not None:
         fraction, cur = memory
         if cur != low:

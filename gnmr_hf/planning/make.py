@@ -37,9 +37,9 @@ from gnmr_hf.planning.criteria import DEFAULT_CRITERION
 from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups
 from gnmr_hf.planning.int4 import ct_rung_gains, ct_rung_prices, ct_shapes, ct_tensor_bytes
 from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs, rung_gains
-from gnmr_hf.planning.passes import _units
+from gnmr_hf.planning.passes import _prepare_batches, _units
 from gnmr_hf.planning.plan import LOWS, Plan, PlanError
-from gnmr_hf.planning.planner import serving_layout
+from gnmr_hf.planning.planner import PrecisionPlan, measure_plan, serving_layout
 from gnmr_hf.planning.profiler import model_identity, profile_sensitivity
 from gnmr_hf.planning.results import SensitivityProfile
 
@@ -101,9 +101,11 @@ def plan_prices(model, rungs: Sequence[str] = ("bf16",), low: str = "nf4", model
     return PlanPrices(linears, shapes, prices, low, low_bytes, rungs, None, unit_of)
 
 
-def plan_budget(budget: str | int, prices: PlanPrices, share: float = 1.0, shown: str | None = None) -> int:
+def plan_budget(budget: str | int, prices: PlanPrices, share: float = 1.0, shown: str | None = None,
+                layout=None) -> int:
     """``budget`` in the one currency (bytes over the all-low model as served), times ``share`` (a hybrid run's
-    static part); one :class:`PlanError` line when it buys no linear or exceeds what there is to keep."""
+    static part); one :class:`PlanError` line when it buys no purchase (a linear, or with ``layout`` a whole
+    serving group) or exceeds what there is to keep."""
     text = shown or str(budget)
     if isinstance(budget, int) and not isinstance(budget, bool):
         total = budget
@@ -113,9 +115,11 @@ def plan_budget(budget: str | int, prices: PlanPrices, share: float = 1.0, shown
         except ValueError as e:
             raise PlanError(str(e)) from None
     spent = int(total * share)
-    cheapest = [min((v, r) for r, v in prices.prices[n].items()) for n in prices.linears]
-    dearest = [max(prices.prices[n].values()) for n in prices.linears]
-    why = budget_refusal(text, spent, cheapest, dearest, prices.linears, prices.low)
+    buys = [(g.name, list(g.members)) for g in layout] if layout is not None else [(n, [n]) for n in prices.linears]
+    rungs = prices.rungs
+    cheapest = [min((sum(prices.prices[m][r] for m in members), r) for r in rungs) for _, members in buys]
+    dearest = [max(sum(prices.prices[m][r] for m in members) for r in rungs) for _, members in buys]
+    why = budget_refusal(text, spent, cheapest, dearest, [n for n, _ in buys], prices.low)
     if why:
         raise PlanError(why)
     return spent
@@ -248,7 +252,7 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
         raise PlanError("make_plan: rungs must name int8 and/or bf16")
     prices = prices or plan_prices(model, rungs, low, model_path, double_quant, group_size)
     layout = layout_of(model, groups, prices)
-    spend = plan_budget(budget, prices, share, shown=budget_text)
+    spend = plan_budget(budget, prices, share, shown=budget_text, layout=layout)
     gains = gains or plan_gains(model, batches, prices, criterion, model_path=model_path, double_quant=double_quant,
                                 progress=progress, dtype=dtype)
     chosen = choose_rungs(gains.units, spend, rungs, groups=layout)
@@ -265,3 +269,30 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
                 budget=budget_text or str(budget), budget_bytes=spend, price_bytes=price,
                 model_identity=model_identity(model_path) if model_path is not None else None,
                 chosen_by=chosen_by, keep_modules=list(gains.profile.keep_modules) if gains.profile is not None else [])
+
+
+def precision_plan(plan: Plan, profile: SensitivityProfile, model=None, batches=None) -> PrecisionPlan:
+    """A BF16-only :class:`~gnmr_hf.planning.plan.Plan` over ``profile``'s units as the controller's
+    :class:`~gnmr_hf.planning.planner.PrecisionPlan` (unit indices, BF16 bytes, predicted and, with ``model``
+    and ``batches``, measured gap closed on the profile batches: one forward): what the price tables, the plot and
+    ``profile.json``'s ``plan`` record read. ``budget_bytes`` is the plan's budget as served over the low model,
+    ``bytes`` and ``total_bytes`` BF16 bytes (the held bytes follow from them)."""
+    chosen = [i for i, u in enumerate(profile.units) if any(m in plan.rungs for m in u.modules)]
+    criterion = plan.chosen_by.get("criterion")
+    gain_score = criterion if criterion in ("loss", "first_order") else None
+    predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
+    gap = profile.gap
+    view = PrecisionPlan(
+        criterion=criterion, budget_bytes=plan.budget_bytes, total_bytes=profile.total_bytes, indices=chosen,
+        names=[profile.units[i].name for i in chosen], modules=[m for i in chosen for m in profile.units[i].modules],
+        bytes=sum(profile.units[i].bytes for i in chosen), predicted_gain=predicted,
+        predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
+        keep_modules=list(profile.keep_modules), groups=plan.groups)
+    if model is not None:
+        units = _units(model, "linears")
+        view.held_bytes = sum(sum(m._gnmr_source.weight_bytes(m) for m in units[i].dual) for i in chosen)
+        if batches is not None:
+            prepared, _ = _prepare_batches(model, batches)
+            view.measured["profile"] = measure_plan(model, chosen, prepared,
+                                                    reference=(profile.losses["low"], profile.losses["high"]))
+    return view
