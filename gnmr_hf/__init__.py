@@ -37,6 +37,7 @@ _LAZY = {
     "SensitivityProfile": "gnmr_hf.planning",
     "PrecisionPlan": "gnmr_hf.planning",
     "Plan": "gnmr_hf.planning",
+    "make_plan": "gnmr_hf.planning",
     "PlanError": "gnmr_hf.planning",
 }
 
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
         PlanError,
         PrecisionPlan,
         SensitivityProfile,
+        make_plan,
         measure_plan,
         plan,
         profile_sensitivity,

@@ -232,10 +232,10 @@ def test_load_refusals_are_one_plan_error_line(tmp_path):
 
 
 def _count_profile_passes(monkeypatch):
-    """Every profile pass a recipe can run (the BF16 planner's sensitivity profile, the ladder's rung gains),
-    counted."""
+    """Every profile pass a plan can be made with (the BF16 planner's sensitivity profile, the ladder's rung gains,
+    the INT4 ladder's), counted where make_plan calls them."""
     import gnmr_hf
-    from gnmr_hf.planning import ladder, profiler
+    from gnmr_hf.planning import int4, ladder, profiler
 
     calls = []
 
@@ -249,6 +249,7 @@ def _count_profile_passes(monkeypatch):
     monkeypatch.setattr(gnmr_hf, "profile_sensitivity", counted("profile_sensitivity", real))
     monkeypatch.setattr(profiler, "profile_sensitivity", counted("profile_sensitivity", real))
     monkeypatch.setattr(ladder, "rung_gains", counted("rung_gains", ladder.rung_gains))
+    monkeypatch.setattr(int4, "ct_rung_gains", counted("ct_rung_gains", int4.ct_rung_gains))
     return calls
 
 

@@ -54,10 +54,13 @@ One file per job (docs/design.md, "Layout"):
 ``results``         :class:`SensitivityProfile`, :class:`UnitScore` and ``profile.json``
 ``planner``         :class:`PrecisionPlan`, the greedy fill by score per byte, :func:`plan`, :func:`measure_plan`
 ``plan``            :class:`Plan`: one type for every plan (BF16-only, ladder, INT4), its file, :class:`PlanError`
-``budget``          budget currencies (extra BF16 bytes; memory over the all-low model) and the price table
+``make``            :func:`make_plan`: every plan (BF16-only, ladder, INT4) chosen in one currency, bytes over
+                    the all-low model as served (:func:`plan_prices`, :func:`plan_budget`, :func:`plan_gains`)
+``budget``          budget currencies (memory over the all-low model; a size; a share) and the price table
 ``skiplist``        :func:`skip_modules`: the names a stock ``BitsAndBytesConfig`` keeps unquantised
 ``ladder``          the precision ladder: INT8 and BF16 rungs under one memory budget, :func:`load_planned`
-``cli``             ``gnmr-hf profile``
+``cli``             ``gnmr-hf profile``: its flags and data; ``profile_run`` (bitsandbytes low formats) and
+                    ``profile_int4`` (``--low int4``) run it
 ==================  ========================================================================================
 
 The plot is :func:`gnmr_hf.reporting.profile_plot.plot_profile`.
@@ -65,6 +68,7 @@ The plot is :func:`gnmr_hf.reporting.profile_plot.plot_profile`.
 
 from gnmr_hf.planning.budget import format_price_table, memory_budget, over_low_prices, parse_budget
 from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, GAIN_SCORES, SCORE_NAMES
+from gnmr_hf.planning.make import make_plan, plan_budget, plan_gains, plan_prices
 from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.planning.planner import (
     PrecisionPlan,
@@ -94,11 +98,15 @@ __all__ = [
     "fill_in_order",
     "format_price_table",
     "greedy_select",
+    "make_plan",
     "measure_plan",
     "memory_budget",
     "over_low_prices",
     "parse_budget",
     "plan",
+    "plan_budget",
+    "plan_gains",
+    "plan_prices",
     "profile_sensitivity",
     "random_sets",
     "skip_modules",

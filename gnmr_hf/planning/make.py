@@ -19,7 +19,8 @@ the same way, in three steps a caller may also take one by one:
                     stock low model it loads and frees) or over INT4 (:func:`gnmr_hf.planning.int4.ct_rung_gains`)
 ==================  ========================================================================================
 
-and one greedy planner, :func:`gnmr_hf.planning.ladder.choose_rungs`: gain per served byte over each linear's
+(called through their modules, so that a test can count the passes) and one greedy planner,
+:func:`gnmr_hf.planning.ladder.choose_rungs`: gain per served byte over each linear's
 convex hull of rungs (a BF16-only plan is the ladder with ``rungs=("bf16",)``), whole serving groups when
 ``groups="vllm"``. ``gnmr-hf profile``, the planned recipes and the benches call :func:`make_plan`; the paper
 controller's :func:`gnmr_hf.planning.planner.plan` keeps its own API (extra BF16 bytes over a profile).
@@ -32,15 +33,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gnmr_hf.planning import int4, ladder, profiler
 from gnmr_hf.planning.budget import budget_refusal, rung_price, served_budget
 from gnmr_hf.planning.criteria import DEFAULT_CRITERION
 from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups
-from gnmr_hf.planning.int4 import ct_rung_gains, ct_rung_prices, ct_shapes, ct_tensor_bytes
-from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs, rung_gains
+from gnmr_hf.planning.int4 import ct_rung_prices, ct_shapes, ct_tensor_bytes
+from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs
 from gnmr_hf.planning.passes import _prepare_batches, _units
 from gnmr_hf.planning.plan import LOWS, Plan, PlanError
 from gnmr_hf.planning.planner import PrecisionPlan, measure_plan, serving_layout
-from gnmr_hf.planning.profiler import model_identity, profile_sensitivity
+from gnmr_hf.planning.profiler import model_identity
 from gnmr_hf.planning.results import SensitivityProfile
 
 #: the rungs a first-order rung gain is measured on (the ladder and INT4 plans)
@@ -150,7 +152,7 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
     if prices.rungs == ("bf16",) and prices.low != "int4":
         criterion = criterion or DEFAULT_CRITERION
         if profile is None:
-            profile = profile_sensitivity(model, batches, criteria=(criterion,), progress=progress)
+            profile = profiler.profile_sensitivity(model, batches, criteria=(criterion,), progress=progress)
         name = profile._score_name(criterion)
         units = []
         for u in profile.units:
@@ -167,7 +169,7 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
         raise PlanError(f"criterion {criterion}: a plan over the rungs {', '.join(prices.rungs)} is chosen by the "
                         f"rungs' first-order gains ({LADDER_CRITERION}), no other criterion")
     if prices.low == "int4":
-        units = ct_rung_gains(model, batches, prices.group_size, prices.linears)
+        units = int4.ct_rung_gains(model, batches, prices.group_size, prices.linears)
     else:
         units = _stock_rung_gains(model, batches, prices, model_path, double_quant, dtype)
     for u in units:
@@ -188,7 +190,7 @@ def _stock_rung_gains(model, batches, prices: PlanPrices, model_path, double_qua
     stock = _stock_low(model_path, prices.low, dtype, double_quant=double_quant,
                        device_map={"": device.index or 0} if device.type == "cuda" else None)
     try:
-        units = rung_gains(stock, model_path, batches, prices.low, double_quant=double_quant)
+        units = ladder.rung_gains(stock, model_path, batches, prices.low, double_quant=double_quant)
     finally:
         del stock
         gc.collect()
