@@ -63,7 +63,8 @@ from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's qu
     int8_fake_quant,
     weight_fake_quant,
 )
-from gnmr_hf.strict_json import read_json
+from gnmr_hf.planning.plan import Plan, PlanError
+from gnmr_hf.rungs import planned_rungs
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
@@ -87,34 +88,34 @@ def _require_compressed_tensors():
 
 
 def read_rungs(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any], Path | None]:
-    """``{linear: rung}`` (``"int8"`` / ``"bf16"``; every other decoder linear low) from a mapping, or from a
-    ``profile.json`` (or the folder holding it): a ladder plan's ``rungs`` mapping, or a BF16 plan's
-    ``skip_modules`` list (every entry ``"bf16"``; the entries that are no decoder linear, such as ``lm_head``,
-    stay unquantised anyway). Returns the rungs, the file's data (``{}`` for a mapping) and its path."""
-    from gnmr_hf.backends.recovery import RUNGS
+    """``{linear: rung}`` (a registered planned rung, ``"int8"`` / ``"bf16"``; every other decoder linear low) from
+    a mapping, or from a plan file (or the folder holding its ``profile.json``) read by
+    :meth:`gnmr_hf.planning.plan.Plan.load`, whichever schema wrote it. Returns the rungs, the file's data
+    (``{}`` for a mapping) and its path."""
+    rungs, loaded = _read_plan(plan)
+    return rungs, (loaded.data if loaded else {}), (loaded.source if loaded else None)
 
+
+def _read_plan(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, str], Plan | None]:
+    """The rungs and the :class:`Plan` (None for a mapping); one-line :class:`ExportError` otherwise."""
     if isinstance(plan, Mapping):
-        data, path, rungs = {}, None, dict(plan)
-    else:
-        path = plan_file(plan)
-        try:
-            data = read_json(path)  # gnmr_hf.strict_json: a key named twice is refused
-        except ValueError as e:
-            raise ExportError(f"{path} is not JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise ExportError(f"{path} holds no plan (a JSON object with rungs or skip_modules)")
-        if isinstance(data.get("rungs"), dict):
-            rungs = dict(data["rungs"])
-        elif isinstance(data.get("skip_modules"), list) and all(isinstance(s, str) for s in data["skip_modules"]):
-            rungs = {s: "bf16" for s in data["skip_modules"]}
-        else:
-            raise ExportError(f"{path} holds no plan: neither a rungs mapping (a ladder plan) nor a skip_modules list "
-                              "(gnmr-hf profile --budget)")
-    bad = {n: r for n, r in rungs.items() if not isinstance(n, str) or r not in RUNGS}
-    if bad:
-        name, rung = next(iter(bad.items()))
-        raise ExportError(f"the plan puts {name!r} on {rung!r}: each rung is one of {', '.join(RUNGS)}")
-    return rungs, data, path
+        rungs = dict(plan)
+        known = planned_rungs()
+        bad = {n: r for n, r in rungs.items() if not isinstance(n, str) or r not in known}
+        if bad:
+            name, rung = next(iter(bad.items()))
+            raise ExportError(f"the plan puts {name!r} on {rung!r}: each rung is one of {', '.join(known)}")
+        return rungs, None
+    path = plan_file(plan)  # export_folder's words for a missing file
+    try:
+        loaded = Plan.load(path)
+    except PlanError as e:
+        raise ExportError(f"{e}: it holds no plan (a ladder plan's rungs mapping, or gnmr-hf profile --budget's "
+                          "skip_modules)") from None
+    if not loaded.planned:
+        raise ExportError(f"{loaded.source} holds no plan: neither a rungs mapping (a ladder plan) nor a skip_modules "
+                          "list (gnmr-hf profile --budget)")
+    return dict(loaded.rungs), loaded
 
 
 def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], group_size: int, target: str):
@@ -220,8 +221,9 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         raise ExportError(f"group_size must be an integer, got {group_size!r}")
     model_path = Path(model_path)
     check_model_folder(model_path)
-    rungs, data, plan_path = read_rungs(plan)
-    group_size, profiled = _profiled_against(data, plan_path, group_size)
+    rungs, loaded = _read_plan(plan)
+    data, plan_path = (loaded.data, loaded.source) if loaded else ({}, None)
+    group_size, profiled = _profiled_against(loaded, group_size)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     protect = [("model folder", model_path, True)]
@@ -262,31 +264,30 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     return summary
 
 
-def _profiled_against(data: Mapping[str, Any], plan_path: Path | None,
-                      group_size: int | None) -> tuple[int, str]:
+def _profiled_against(plan: Plan | None, group_size: int | None) -> tuple[int, str]:
     """The group size to export with and, for the model card, which quantiser the plan was profiled against.
 
-    A plan from ``gnmr-hf profile --low int4`` (``low: "int4"``) carries its ``group_size`` (the gains it ranked
-    are this export's at that group: another explicit size is refused) and the ``model_identity`` of the model
-    it was profiled on (another model is refused, as every plan file that records one is:
+    A plan over INT4 (:attr:`Plan.is_int4`: ``gnmr-hf profile --low int4``) carries its ``group_size`` (the gains
+    it ranked are this export's at that group: another explicit size is refused) and the ``model_identity`` of the
+    model it was profiled on (another model is refused, as every plan file that records one is:
     :func:`gnmr_hf.export_folder.check_sources`). Any other plan (NF4 / FP4 / INT8 profiles, a trained ladder's
     plan, a mapping) is accepted at ``group_size`` (default 128)."""
-    low = data.get("low") if isinstance(data.get("low"), str) else None
-    if low != "int4":
-        if plan_path is None:
-            return group_size or 128, "not recorded (the rungs were given as a mapping)"
+    if plan is None:
+        return group_size or 128, "not recorded (the rungs were given as a mapping)"
+    if not plan.is_int4:
+        low = plan.data.get("low") if isinstance(plan.data.get("low"), str) else None  # recorded, or not
         if low:
             return group_size or 128, (f"bitsandbytes {low.upper()} (`gnmr-hf profile --low {low}`): its gains rank "
                                        "that quantiser's errors, not this folder's INT4; `gnmr-hf profile --low int4` "
                                        "profiles against this export's own")
         return group_size or 128, ("not recorded in the plan file (a recipe's or trained ladder's plan is profiled "
                                    "against its bitsandbytes low path, e.g. NF4, not this folder's INT4)")
-    recorded = data.get("group_size")
-    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded <= 0:
-        raise ExportError(f"{plan_path} is an int4 profile without a valid group_size ({recorded!r}): profile again "
+    recorded = plan.group_size
+    if recorded is None or recorded <= 0:
+        raise ExportError(f"{plan.source} is an int4 profile without a valid group_size ({recorded!r}): profile again "
                           "with gnmr-hf profile --low int4")
     if group_size is not None and group_size != recorded:
-        raise ExportError(f"--group-size {group_size}: {plan_path} was profiled against INT4 with group {recorded}: "
+        raise ExportError(f"--group-size {group_size}: {plan.source} was profiled against INT4 with group {recorded}: "
                           f"leave --group-size out (or give {recorded}), or profile again with --group-size {group_size}")
     return recorded, (f"this export's own INT4 quantiser (W4A16, group {recorded}; `gnmr-hf profile --low int4`): "
                       "the gains it ranked are this folder's")
@@ -311,8 +312,6 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     from compressed_tensors.offload import update_offload_parameter
     from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
-
-    from gnmr_hf.planning.plan import Plan
 
     low = [n for n in linears if rungs.get(n, "low") == "low"]
     int8 = [n for n in linears if rungs.get(n) == "int8"]

@@ -274,6 +274,8 @@ LAYERS = {
     "rungs": {"rungs"},  # the rung registry: one file per precision (bytes, fake quantisation, module, exports)
     # the export dispatcher: one file per format (bitsandbytes, compressed-tensors) and the model card
     "exports": {"exports", "export_folder", "export_ct", "planning", "memory", "offline", "rungs", "strict_json"},
+    # the export dispatcher: one file per format (bitsandbytes, compressed-tensors) and the model card
+    "exports": {"exports", "export_folder", "export_ct", "planning", "memory", "offline", "rungs", "strict_json"},
     "strict_json": set(),  # the one reader of plan / profile JSON files (a key named twice is refused)
 }
 

@@ -56,19 +56,16 @@ from torch import nn
 
 from gnmr_hf.backends.base import DORA_REFUSED, DualPathModule
 from gnmr_hf.backends.checkpoint import FLOAT_DTYPES, CheckpointIndex, canonical_name, find_key
+from gnmr_hf.rungs import planned_rungs
+from gnmr_hf.rungs.int8 import int8_linear  # noqa: F401  (the INT8 rung's module; re-exported)
 from gnmr_hf.units import UnitSpec, resolve_units, unwrap_model
 
-#: the rungs a quantised linear may be kept on, cheapest first: INT8 (the checkpoint weight quantised row-wise by
-#: bitsandbytes) or its checkpoint weight in BF16 (or the recovery dtype); the precision ladder plans over these
-RUNGS = ("int8", "bf16")
-
-
-def int8_rungs(data: Any) -> list[str]:
-    """The linears a plan file's ``rungs`` mapping puts on INT8 (a recipe's ``profile.json`` with
-    ``profile.rungs: [int8, bf16]``); ``[]`` for a BF16-only plan or anything else. Such a plan is no
-    ``llm_int8_skip_modules`` list: no stock loader mixes 4- and 8-bit linears, ``gnmr_hf.load_planned`` serves it."""
-    rungs = data.get("rungs") if isinstance(data, dict) else None
-    return sorted(n for n, r in rungs.items() if r == "int8") if isinstance(rungs, dict) else []
+#: the stock rungs a quantised linear may be kept on, cheapest first: INT8 (the checkpoint weight quantised row-wise
+#: by bitsandbytes) or its checkpoint weight in BF16 (or the recovery dtype); the precision ladder plans over the
+#: registry's (:func:`gnmr_hf.rungs.planned_rungs`, these and any a user registers)
+RUNGS = planned_rungs()
+#: the rungs the dual path's recovery weights hold (:class:`Int8RecoveryWeight`, :class:`RecoveryWeight`)
+DUAL_PATH_RUNGS = ("int8", "bf16")
 
 
 LADDER_SERVING = ("no bitsandbytes checkpoint mixes 4- and 8-bit linears: export it as compressed-tensors "
@@ -77,10 +74,13 @@ LADDER_SERVING = ("no bitsandbytes checkpoint mixes 4- and 8-bit linears: export
 
 
 def check_rungs(rungs: dict[str, str]) -> None:
-    """Raise ``ValueError`` naming every entry of ``rungs`` (linear name -> rung) that is not one of :data:`RUNGS`."""
-    bad = {n: r for n, r in rungs.items() if r not in RUNGS}
+    """Raise ``ValueError`` naming every entry of ``rungs`` (linear name -> rung) that is not a registered planned
+    rung (:func:`gnmr_hf.rungs.planned_rungs`)."""
+    known = planned_rungs()
+    bad = {n: r for n, r in rungs.items() if r not in known}
     if bad:
-        raise ValueError(f"unknown rung(s) {bad}: each is one of {RUNGS}")
+        raise ValueError(f"unknown rung(s) {bad}: each is one of {known}")
+
 
 STORAGES = ("host", "device", "disk")
 
@@ -171,18 +171,6 @@ class RecoveryWeight:
         if self.live is not None and self.holders and self.holders[0] is module:
             return self.live.numel() * self.live.element_size()
         return 0
-
-
-def int8_linear(weight: torch.Tensor, threshold: float = 6.0) -> nn.Module:
-    """A stock bitsandbytes ``Linear8bitLt`` over ``weight`` (LLM.int8, row-wise, ``has_fp16_weights=False``,
-    no bias), quantised as transformers' ``load_in_8bit`` quantises a checkpoint weight (via FP16), in eval mode
-    (as a loaded model starts; bitsandbytes' int8 matmul differs between the modes)."""
-    import bitsandbytes as bnb
-
-    out_f, in_f = weight.shape
-    m = bnb.nn.Linear8bitLt(in_f, out_f, bias=False, has_fp16_weights=False, threshold=threshold)
-    m.weight = bnb.nn.Int8Params(weight.detach().to(torch.float16).cpu(), requires_grad=False, has_fp16_weights=False)
-    return m.to(weight.device).eval()
 
 
 class Int8RecoveryWeight:
@@ -446,6 +434,10 @@ def attach_recovery(
         )
     rungs = dict(rungs or {})
     check_rungs(rungs)
+    other = {n: r for n, r in rungs.items() if r not in DUAL_PATH_RUNGS}
+    if other:
+        raise ValueError(f"rung(s) {other} have no recovery path: the dual path recovers on "
+                         f"{' or '.join(DUAL_PATH_RUNGS)} (gnmr_hf.load_planned loads a plan with any registered rung)")
     unknown = sorted(set(rungs) - {name for _, name, _ in plan})
     if unknown:
         raise ValueError(f"{len(unknown)} rung name(s) are not quantised linears inside the units, e.g. {unknown[0]!r}")

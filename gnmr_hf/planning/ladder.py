@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear, int8_rungs  # noqa: F401
+from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear  # noqa: F401
 from gnmr_hf.planning.passes import _loss as _batch_loss
+from gnmr_hf.planning.plan import Plan, recorded_identity
+from gnmr_hf.rungs import get_rung, planned_rungs
 
 
 @dataclass
@@ -46,11 +48,9 @@ class LadderUnit:
 
 
 def rung_prices(numel: int, rows: int, low: str = "nf4", double_quant: bool = False) -> dict[str, int]:
-    """Bytes each rung costs over ``low`` (the whole stored state counted, ``gnmr_hf.memory``)."""
-    from gnmr_hf.memory import weight_bytes
-
-    base = weight_bytes(numel, rows, low, double_quant=double_quant).total
-    return {r: weight_bytes(numel, rows, r).total - base for r in RUNGS}
+    """Bytes each registered planned rung costs over ``low`` (the whole stored state counted: each rung's own
+    ``bytes``, :mod:`gnmr_hf.rungs`)."""
+    return {r: get_rung(r).price(numel, rows, low, double_quant=double_quant) for r in planned_rungs()}
 
 
 def decoder_low_linears(model) -> list[str]:
@@ -91,11 +91,13 @@ class _CheckpointLinears:
 
 
 def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", double_quant: bool = False,
-               int8_threshold: float = 6.0) -> list[LadderUnit]:
+               int8_threshold: float = 6.0, rungs: tuple[str, ...] | None = None) -> list[LadderUnit]:
     """Every decoder linear's first-order gain on each rung (see the module docstring).
 
     ``model`` is the stock-loaded low model (``BitsAndBytesConfig(load_in_4bit=True, ...)``), ``model_path``
-    its BF16 checkpoint, ``batches`` dicts with ``input_ids`` and ``labels`` (any mapping).
+    its BF16 checkpoint, ``batches`` dicts with ``input_ids`` and ``labels`` (any mapping). ``rungs``: the
+    rungs to score (default the stock :data:`RUNGS`; any registered planned rung, :mod:`gnmr_hf.rungs`: its
+    output is its ``module``'s over the checkpoint weight, or the linear over its ``fake_quant`` weight).
 
     Memory: the forward keeps only each linear's input (which a LoRA training step saves too); the linear's
     low-path output and its rungs' outputs are computed again from it when its output gradient arrives, one
@@ -115,15 +117,17 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
     for n in names:
         numel, rows = math.prod(weights.shapes[n]), weights.shapes[n][0]
         units.append(LadderUnit(n, numel, rows, prices=rung_prices(numel, rows, low, double_quant)))
-    acc = {n: {r: 0.0 for r in RUNGS} for n in names}
+    scored = tuple(rungs or RUNGS)
+    specs = {r: get_rung(r) for r in scored}
+    acc = {n: {r: 0.0 for r in scored} for n in names}
 
     def rung_output(name: str, rung: str, x, w):
-        if rung == "bf16":
-            return torch.nn.functional.linear(x, w.to(device=x.device, dtype=x.dtype))
-        # the INT8 rung on the linear's device (a GPU-loaded model's hooks see CUDA inputs), as load_in_8bit
-        # quantises the checkpoint weight
-        module = int8_linear(w.to(device=modules[name].weight.device, dtype=torch.float32), int8_threshold)
-        return module(x)
+        spec = specs[rung]
+        if spec.module is None:  # BF16: the checkpoint weight itself; a registered rung: its fake quantisation
+            return torch.nn.functional.linear(x, spec.fake_quant(w).to(device=x.device, dtype=x.dtype))
+        # the rung's module on the linear's device (a GPU-loaded model's hooks see CUDA inputs): INT8 quantises
+        # the checkpoint weight as load_in_8bit does
+        return spec.module(w.to(device=modules[name].weight.device), int8_threshold=int8_threshold)(x)
 
     def hook(name):
         def fn(mod, inp, out):
@@ -141,9 +145,9 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
                     low_out = mod.forward(x.detach().requires_grad_(True)).detach()
                 with torch.no_grad():
                     w = weights[name]  # read once for both rungs, freed with this call
-                    for r in RUNGS:
+                    for r in scored:
                         y = rung_output(name, r, x, w)
-                        d = (y.to(low_out.dtype) if r == "int8" else y) - low_out
+                        d = y.to(low_out.dtype) - low_out
                         del y
                         acc[name][r] -= float((g * d).sum(dtype=torch.float64))
                         del d
@@ -348,14 +352,14 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
     missing = [n for n in rungs if n not in modules or not isinstance(modules[n], torch.nn.Linear)]
     if missing:
         raise ValueError(f"{len(missing)} planned name(s) are not linears of {model_path}, e.g. {missing[0]}")
-    weights = _CheckpointLinears(model_path, [n for n, r in rungs.items() if r == "int8"])
-    for name, r in rungs.items():
-        if r != "int8":
-            continue
+    # every rung with a module of its own (INT8, a registered one) is swapped in over the checkpoint weight;
+    # BF16 stays the checkpoint's nn.Linear (in the skip list)
+    swapped = {n: get_rung(r) for n, r in rungs.items() if get_rung(r).module is not None}
+    weights = _CheckpointLinears(model_path, sorted(swapped))
+    for name, rung in swapped.items():
         parent_name, _, child = name.rpartition(".")
         old = modules[name]
-        new = int8_linear(weights[name].to(device=old.weight.device, dtype=torch.float32),
-                          int8_threshold).train(old.training)
+        new = rung.module(weights[name].to(device=old.weight.device), int8_threshold=int8_threshold).train(old.training)
         if old.bias is not None:
             new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
         setattr(modules[parent_name], child, new)
@@ -394,14 +398,7 @@ def _check_decoder_linears(model_path: str | os.PathLike, rungs: dict[str, str])
 def _read_plan_file(model_path: str | os.PathLike, path: str | os.PathLike) -> tuple[dict[str, str], list[str]]:
     """``(rungs, keep_modules)`` of a plan file (or ``DIR/profile.json``), read by
     :meth:`gnmr_hf.planning.plan.Plan.load` (every schema) and checked against ``model_path``."""
-    from gnmr_hf.planning.plan import Plan
-
-    plan = Plan.load(path)
-    if plan.low == "int4":
-        from gnmr_hf.planning.groups import INT4_PROFILE
-
-        raise ValueError(f"{plan.source} was {INT4_PROFILE} (load_planned loads bitsandbytes low paths)")
-    plan.require_planned()
+    plan = Plan.load(path).require_bnb_low("load_planned loads bitsandbytes low paths").require_planned()
     _check_same_model(plan.source, plan.data, model_path)
     return dict(plan.rungs), list(plan.keep_modules)
 
@@ -415,8 +412,7 @@ def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.Pat
     from gnmr_hf.planning.profiler import identity_mismatch
 
     other = f"{path} was made for another model than {model_path}: {{}} ({fix})"
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-    recorded = data.get("model_identity", meta.get("model_identity"))
+    recorded = recorded_identity(data)
     if recorded is not None:
         why = identity_mismatch(recorded, model_path)
         if why:

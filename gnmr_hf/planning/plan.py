@@ -22,6 +22,7 @@ writer                      what the file holds
 int4``
 a planned recipe            a sensitivity profile with ``skip_modules`` and the run's ``plan`` record
 a ladder recipe             a hand-built dict: ``rungs``, the run's ``plan`` record, ``model_identity``, ``units``
+a hand-built skip list      ``{"skip_modules": [...]}`` alone: every entry on BF16 (``lm_head`` kept)
 a profile, no plan          ``SensitivityProfile.to_json`` (or the older bench files: ``criterion``, ``units``
                             with a ``score``): a :class:`Plan` with ``planned`` False and no rungs
 ==========================  ==================================================================================
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gnmr_hf.rungs import get_rung, planned_rungs
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
 #: the schema :meth:`Plan.save` writes
@@ -47,7 +49,8 @@ SCHEMA_VERSION = 1
 KIND = "gnmr_hf.plan"
 #: the low formats a plan is made over (``int4``: the compressed-tensors export's W4A16)
 LOWS = ("nf4", "fp4", "int8", "int4")
-#: the rungs a planned linear may be on, cheapest first (as :data:`gnmr_hf.backends.recovery.RUNGS`)
+#: the stock rungs a planned linear may be on, cheapest first; a plan takes any registered planned rung
+#: (:func:`gnmr_hf.rungs.planned_rungs`: these and any a user registers with :func:`gnmr_hf.rungs.register_rung`)
 RUNGS = ("int8", "bf16")
 #: the file a folder holds its plan in
 PLAN_FILE = "profile.json"
@@ -128,13 +131,14 @@ class Plan:
             raise PlanError(f"{where}low {self.low!r} is not a low format a plan is made over ({', '.join(LOWS)})")
         if not isinstance(self.rungs, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in self.rungs.items()):
-            raise PlanError(f"{where}'rungs' must map linear names to rungs ({', '.join(RUNGS)})")
-        bad = {n: r for n, r in self.rungs.items() if r not in RUNGS}
+            raise PlanError(f"{where}'rungs' must map linear names to rungs ({', '.join(planned_rungs())})")
+        known = planned_rungs()
+        bad = {n: r for n, r in self.rungs.items() if r not in known}
         if bad:
-            raise PlanError(f"{where}unknown rung(s) {bad}: each is one of {RUNGS}")
-        self.rung_set = tuple(r for r in RUNGS if r in self.rung_set)
+            raise PlanError(f"{where}unknown rung(s) {bad}: each is one of {known}")
+        self.rung_set = tuple(r for r in known if r in self.rung_set)
         if not self.rung_set:
-            raise PlanError(f"{where}rung_set must name rungs from {', '.join(RUNGS)}")
+            raise PlanError(f"{where}rung_set must name rungs from {', '.join(known)}")
         off = sorted(n for n, r in self.rungs.items() if r not in self.rung_set)
         if off:
             raise PlanError(f"{where}{off[0]} is on {self.rungs[off[0]]}, which is not among the rungs the plan was "
@@ -144,6 +148,25 @@ class Plan:
                             "size, a bitsandbytes one none")
 
     # ------------------------------------------------------------------------------------- derived
+    @property
+    def is_int4(self) -> bool:
+        """True for a plan over the compressed-tensors export's INT4 (``gnmr-hf profile --low int4``): no
+        bitsandbytes load, skip list or folder serves it. The one place that asks."""
+        return self.low == "int4"
+
+    def require_bnb_low(self, who: str) -> Plan:
+        """``self``, or one :class:`PlanError` line when the plan is over INT4 (``who``: what refuses it, e.g.
+        ``"load_planned loads bitsandbytes low paths"``)."""
+        if self.is_int4:
+            from gnmr_hf.planning.groups import INT4_PROFILE
+
+            raise PlanError(f"{self.source or 'the plan'} was {INT4_PROFILE}" + (f" ({who})" if who else ""))
+        return self
+
+    def on(self, rung: str) -> list[str]:
+        """The planned linears on ``rung``, sorted."""
+        return sorted(n for n, r in self.rungs.items() if r == rung)
+
     @property
     def ladder(self) -> bool:
         """True when the plan was chosen over other rungs than BF16 alone (the precision ladder)."""
@@ -189,6 +212,10 @@ class Plan:
         unknown = sorted(set(self.rungs) - set(linears))
         if unknown:
             raise PlanError(f"{self.source or 'the plan'} plans {unknown[0]}, which is none of the given linears")
+        other = sorted({r for r in self.rungs.values() if "compressed-tensors" not in get_rung(r).exports})
+        if other:
+            raise PlanError(f"{self.source or 'the plan'} puts linears on {', '.join(other)}, which compressed-tensors "
+                            "has no scheme for (the rung registers none)")
         low = [n for n in linears if n not in self.rungs]
         int8 = [n for n in linears if self.rungs.get(n) == "int8"]
         groups = {}
@@ -201,15 +228,25 @@ class Plan:
 
     def _require_bnb(self, what: str) -> None:
         where = f"{self.source} " if self.source else "the plan "
-        if self.low == "int4":
+        if self.is_int4:
             from gnmr_hf.planning.groups import INT4_PROFILE
 
             raise PlanError(f"{where}was {INT4_PROFILE} (it has no {what})")
-        int8 = sorted(n for n, r in self.rungs.items() if r == "int8")
+        int8 = self.on("int8")
         if int8:
             raise PlanError(f"{where}puts {len(int8)} linear(s) on INT8 (e.g. {int8[0]}): no stock bitsandbytes "
                             f"checkpoint mixes 4- and 8-bit linears, so it has no {what} (gnmr_hf.load_planned "
                             "loads it; gnmr-hf export --format compressed-tensors exports it)")
+        other = self.not_in_skip_list()
+        if other:
+            raise PlanError(f"{where}puts {len(other)} linear(s) on {self.rungs[other[0]]} (e.g. {other[0]}), which "
+                            f"a stock bitsandbytes checkpoint cannot hold, so it has no {what} (gnmr_hf.load_planned "
+                            "loads it)")
+
+    def not_in_skip_list(self) -> list[str]:
+        """The planned linears whose rung a bitsandbytes skip list cannot say (every rung but BF16's, whose
+        registry entry writes ``"skip"`` for bitsandbytes), sorted."""
+        return sorted(n for n, r in self.rungs.items() if get_rung(r).exports.get("bitsandbytes") != "skip")
 
     def require_planned(self) -> Plan:
         """``self``, or one :class:`PlanError` line when the file held a profile and no plan."""
@@ -229,7 +266,7 @@ class Plan:
             "rungs": dict(self.rungs), "keep_modules": list(self.keep_modules), "budget": self.budget,
             "budget_bytes": self.budget_bytes, "price_bytes": self.price_bytes,
             "model_identity": self.model_identity, "chosen_by": dict(self.chosen_by)}
-        if self.planned and self.low != "int4" and "int8" not in self.rungs.values():
+        if self.planned and not self.is_int4 and not self.not_in_skip_list():
             out["skip_modules"] = self.skip_modules()
         return out
 
@@ -345,7 +382,7 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
     """``gnmr-hf profile --low int4``'s dict, a ladder recipe's, or a hand-built ``{"rungs": {...}}``."""
     rungs = data["rungs"]
     if not isinstance(rungs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rungs.items()):
-        raise PlanError(f"{where}: 'rungs' must map linear names to rungs ({', '.join(RUNGS)})")
+        raise PlanError(f"{where}: 'rungs' must map linear names to rungs ({', '.join(planned_rungs())})")
     record = data.get("plan") if isinstance(data.get("plan"), dict) else {}
     low = data.get("low", record.get("low", "nf4"))  # a ladder recipe's record says (since issue 59): NF4
     if low == "int4":  # gnmr-hf profile --low int4
@@ -355,7 +392,7 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
     else:
         counts = record.get("rung_counts")
         rung_set = tuple(counts) if isinstance(counts, dict) and counts else \
-            tuple(r for r in RUNGS if r in rungs.values()) or ("int8", "bf16")
+            tuple(r for r in planned_rungs() if r in rungs.values()) or ("int8", "bf16")
         currency = "memory over the NF4 model" if record else None
         writer = "a ladder recipe" if record else "hand-built"
         price = record.get("price_over_nf4_bytes", record.get("over_low_bytes"))
@@ -394,6 +431,11 @@ def _from_profile(data: dict[str, Any], where: str, rung_set: Sequence[str] | No
     try:
         SensitivityProfile.from_dict(data)  # one line naming a bad field
     except ValueError as e:
+        skips = data.get("skip_modules")
+        if set(data) == {"skip_modules"} and isinstance(skips, list) and skips and all(isinstance(n, str) for n in skips):
+            # a hand-built skip list: every entry on BF16 (lm_head, which a stock load keeps anyway, kept)
+            return _build(where, rungs={n: "bf16" for n in skips if n != "lm_head"}, low="nf4",
+                          keep_modules=[n for n in skips if n == "lm_head"], chosen_by={"writer": "hand-built"})
         raise PlanError(f"{where}: neither a ladder plan (no 'rungs') nor a profile: {e}") from None
     keep = list(data.get("keep_modules") or [])
     skips = data.get("skip_modules")
@@ -417,7 +459,7 @@ def _from_profile(data: dict[str, Any], where: str, rung_set: Sequence[str] | No
     else:  # gnmr-hf profile: the planner's BF16 bytes
         price, currency = record.get("bytes"), "BF16 bytes of the planned linears"
     chosen["currency"] = currency
-    want = tuple(r for r in RUNGS if r in (rung_set or ()))
+    want = tuple(r for r in planned_rungs() if r in (rung_set or ()))
     if want and want != ("bf16",):
         row = _ladder_row(data, want)
         if row is not None:

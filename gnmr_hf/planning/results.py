@@ -72,6 +72,9 @@ class SensitivityProfile:
     keep_modules: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the plan the file holds, read by :meth:`gnmr_hf.planning.plan.Plan.load` (:meth:`from_json` sets it; a
+    #: profile without a plan gives one with ``planned`` False); None for a profile built in memory
+    plan: Any = field(default=None, compare=False, repr=False)
 
     # -- access
     @property
@@ -186,19 +189,27 @@ class SensitivityProfile:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SensitivityProfile:
-        """Read a profile written by :meth:`to_json` (or ``gnmr-hf profile``'s ``profile.json``).
+        """Read a profile written by :meth:`to_json` (or ``gnmr-hf profile``'s ``profile.json``, or a recipe's),
+        from the file or the folder holding it. The profile's data is read here; the plan it holds is
+        :meth:`gnmr_hf.planning.plan.Plan.from_dict`'s (:attr:`plan`), the one reader of plans.
 
         Raises:
             ValueError: not JSON, or not a valid profile (one line: the file and the field; see :meth:`from_dict`).
         """
+        from gnmr_hf.planning.plan import Plan, plan_file
+
+        if Path(path).is_dir():
+            path = plan_file(path)
         try:
             data = read_json(path)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e})") from None
         try:
-            return cls.from_dict(data)
+            profile = cls.from_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+        profile.plan = Plan.from_dict(data, path)
+        return profile
 
 
 def _pct(fraction: float) -> str:
