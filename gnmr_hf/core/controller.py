@@ -11,211 +11,34 @@ ops, where NumPy's per-op cost is a fraction of torch's); tensors come in and go
 once per step as one small tensor, so the only device synchronisation is that copy.
 """
 
+
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
+from gnmr_hf.core.config import (  # noqa: F401 (the names this module has always had)
+    GNMRConfig,
+    _check_int,
+    _check_int_or_none,
+    _check_positive,
+    _check_unit_bytes,
+    init_steps_from_fraction,
+    unit_mask,
+)
+from gnmr_hf.core.selection import _TOP_K_SORT_MAX, _risk, _top_k, _top_k_bytes  # noqa: F401
+from gnmr_hf.core.state import _BYTE_TOTAL_KEYS, _STATE_VERSION, _TOTAL_KEYS, controller_state, restore_state  # noqa: F401
+
 __all__ = ["GNMRConfig", "GNMRController", "init_steps_from_fraction", "unit_mask"]
 
-_STATE_VERSION = 1
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    # bool is an int subclass; True as a step count is always a mistake
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_int_or_none(name: str, value: Any, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"GNMRConfig.{name} must be an integer >= {minimum} or None, got {value!r}")
-    return int(value)
-
-
-def _check_positive(name: str, value: Any, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or float(value) <= 0:
-        extra = " (or None)" if allow_none else ""
-        raise ValueError(f"GNMRConfig.{name} must be a finite number > 0{extra}, got {value!r}")
-    return float(value)
-
-
-@dataclass
-class GNMRConfig:
-    """Configuration of the GNMR controller.
-
-    Args:
-        max_active (`int`, defaults to 10):
-            The paper's maxO: at most this many units run on the recovery path at one step (outside
-            the ``full_recovery_steps`` warm-up). 0 means never recover (monitor only).
-        lock_steps (`int`, defaults to 1):
-            The paper's T_lock: a unit selected while risky stays in the candidate pool for this many
-            further decisions. 0 disables locking.
-        alpha (`float`, defaults to 1.1):
-            The paper's alpha_t after the init phase: a unit is risky when GNMR >= alpha.
-        alpha_init (`float` or `None`, defaults to 1.5):
-            The GNMR threshold during the first ``init_steps`` steps; None means "same as ``alpha``".
-        beta (`float`, defaults to 1.5):
-            The paper's beta_t after the init phase: a unit is risky when Delta-GNMR >= beta.
-        beta_init (`float` or `None`, defaults to `None`):
-            The Delta-GNMR threshold during the first ``init_steps`` steps; None means "same as ``beta``".
-        window (`int`, defaults to 5):
-            The paper's delta: how many recent finite GNMR values Delta-GNMR divides by.
-        init_steps (`int`, defaults to 0):
-            Steps t <= init_steps use ``alpha_init`` / ``beta_init`` (the two-stage threshold).
-        full_recovery_steps (`int`, defaults to 0):
-            High-fidelity warm-up: the first ``full_recovery_steps`` steps run every recoverable unit on
-            the recovery path regardless of ``max_active``; statistics and lock counters evolve as if
-            there were no warm-up.
-        max_active_bytes (`int` or `None`, defaults to `None`):
-            A byte budget beside the count cap: the units on the recovery path at one step (outside the
-            warm-up) hold at most this many recovery bytes, each unit's bytes given to the controller as
-            ``unit_bytes``. The candidates are taken in rank order (R descending, ties to the lower
-            index), a unit whose bytes would overflow the budget is skipped (a smaller one further down
-            may still fit), and never more than ``max_active`` are taken. None means no byte budget (the
-            paper's count-only selection, unchanged).
-    """
-
-    max_active: int = 10
-    lock_steps: int = 1
-    alpha: float = 1.1
-    alpha_init: float | None = 1.5
-    beta: float = 1.5
-    beta_init: float | None = None
-    window: int = 5
-    init_steps: int = 0
-    full_recovery_steps: int = 0
-    max_active_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        self.max_active = _check_int("max_active", self.max_active, 0)
-        self.lock_steps = _check_int("lock_steps", self.lock_steps, 0)
-        self.alpha = _check_positive("alpha", self.alpha)
-        self.alpha_init = _check_positive("alpha_init", self.alpha_init, allow_none=True)
-        self.beta = _check_positive("beta", self.beta)
-        self.beta_init = _check_positive("beta_init", self.beta_init, allow_none=True)
-        self.window = _check_int("window", self.window, 1)
-        self.init_steps = _check_int("init_steps", self.init_steps, 0)
-        self.full_recovery_steps = _check_int("full_recovery_steps", self.full_recovery_steps, 0)
-        self.max_active_bytes = _check_int_or_none("max_active_bytes", self.max_active_bytes, 0)
-
-    def thresholds(self, t: int) -> tuple[float, float]:
-        """Return ``(alpha_t, beta_t)`` for step ``t`` (1-based)."""
-        if t <= self.init_steps:
-            alpha = self.alpha if self.alpha_init is None else self.alpha_init
-            beta = self.beta if self.beta_init is None else self.beta_init
-            return alpha, beta
-        return self.alpha, self.beta
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the fields as a JSON-safe dict (ints, floats and None).
-
-        ``max_active_bytes`` appears only when it is set: a config without a byte budget writes the
-        same dict (and a controller the same state) as before the field existed, and a reader that
-        does not know the field refuses a config whose byte budget it could not honour.
-        """
-        data = asdict(self)
-        if data["max_active_bytes"] is None:
-            del data["max_active_bytes"]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GNMRConfig:
-        """Build a config from :meth:`to_dict` output; unknown keys raise ``ValueError``, missing ones
-        take their defaults (so dicts written before ``max_active_bytes`` existed load)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"GNMRConfig.from_dict: unknown field(s) {unknown}")
-        return cls(**dict(data))
-
-
-def init_steps_from_fraction(init_fraction: float, total_steps: int) -> int:
-    """The ``init_steps`` for an initial-threshold phase of ``init_fraction`` of ``total_steps`` steps.
-
-    The one place this conversion happens (callback, recipes, stress bench): the product rounded half
-    up, and at least one step for a positive fraction, so "the first 2.5% of 100 steps" is 3 steps and
-    2.5% of 20 steps is 1.
-
-    Args:
-        init_fraction (`float`): the fraction of training, in [0, 1].
-        total_steps (`int`): the run's number of optimizer steps (``max_steps``), >= 0.
-    """
-    if isinstance(init_fraction, bool) or not isinstance(init_fraction, numbers.Real) or not 0 <= init_fraction <= 1:
-        raise ValueError(f"init_fraction must be a number in [0, 1], got {init_fraction!r}")
-    if isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral) or total_steps < 0:
-        raise ValueError(f"total_steps must be an integer >= 0, got {total_steps!r}")
-    if init_fraction == 0 or total_steps == 0:
-        return 0
-    return max(1, math.floor(init_fraction * total_steps + 0.5))
-
-
-def unit_mask(units: Any, num_units: int, name: str = "recoverable") -> torch.Tensor:
-    """A set of units as a bool mask [U], from a bool mask or from unit indices.
-
-    Args:
-        units: a bool tensor or list of ``num_units`` bools, or unit indices (an int tensor or an
-            iterable of ints; an empty one is the empty set).
-        num_units (`int`): U.
-        name (`str`, defaults to ``"recoverable"``): what the units are, for the error messages.
-
-    Returns:
-        `torch.BoolTensor` [U] on the CPU (a new tensor).
-    """
-    U = num_units
-    if isinstance(units, torch.Tensor):
-        values = units.detach().cpu()
-    else:
-        values = list(units)
-        if values and all(isinstance(v, bool) for v in values):
-            values = torch.tensor(values, dtype=torch.bool)
-        else:
-            if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values):
-                raise ValueError(f"{name} must be a bool mask of length {U} or unit indices, got {values!r}")
-            values = torch.tensor(values, dtype=torch.long)
-    if values.dtype == torch.bool:
-        if values.shape != (U,):
-            raise ValueError(f"{name} mask must have shape ({U},), got {tuple(values.shape)}")
-        return values.clone()
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dim() != 1:
-        raise ValueError(f"{name} must be a bool mask of length {U} or a 1-D tensor of unit indices")
-    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= U):
-        raise ValueError(f"{name} indices must lie in [0, {U}), got {values.tolist()}")
-    mask = torch.zeros(U, dtype=torch.bool)
-    mask[values.long()] = True
-    return mask
-
-
-def _check_unit_bytes(unit_bytes: Any, num_units: int) -> tuple[int, ...]:
-    """Each unit's recovery bytes as a tuple of U Python ints >= 0 (``ValueError`` naming ``unit_bytes``)."""
-    if isinstance(unit_bytes, (torch.Tensor, np.ndarray)):
-        if unit_bytes.ndim != 1:
-            raise ValueError(f"unit_bytes must be 1-D (one entry per unit), got shape {tuple(unit_bytes.shape)}")
-        values = unit_bytes.tolist()
-    elif isinstance(unit_bytes, (str, bytes, Mapping)) or not isinstance(unit_bytes, Iterable):
-        raise ValueError(f"unit_bytes must be a sequence of {num_units} integers >= 0, got {unit_bytes!r}")
-    else:
-        values = list(unit_bytes)
-    if len(values) != num_units:
-        raise ValueError(f"unit_bytes must have one entry per unit (num_units={num_units}), got {len(values)}")
-    for b, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-            raise ValueError(f"unit_bytes must be integers >= 0, got unit_bytes[{b}] = {v!r}")
-    return tuple(int(v) for v in values)
+# dtypes NumPy holds natively: their tensors convert without a torch-side cast
+_NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
+_ZERO = np.zeros(())  # a float64 0-d array: NumPy adds it faster than the Python float 0.0
 
 
 class GNMRController:
@@ -433,38 +256,7 @@ class GNMRController:
         alpha, beta, alpha_a, beta_a = self._thresholds[t > self._init_steps]
         rows = self._gnmr_window
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite
-            # history (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already
-            # right. With a positive mean everywhere, a NaN or infinite GNMR can only come from a
-            # NaN or infinite norm (or an overflow) and a GNMR <= 0 (-0.0 included) from a norm
-            # <= 0 (or an underflow), so two reductions clear the usual step: every GNMR finite and
-            # positive. Anything else (negative norms included) goes through _fix_gnmr, before any
-            # state changes, so that a bad input leaves the controller untouched.
-            gnmr = n / (self._norm_sum / self._norm_count)
-            usual = (
-                self._history_positive
-                and np.maximum.reduce(gnmr) < math.inf  # a NaN norm makes the maximum NaN
-                and np.minimum.reduce(gnmr) > 0.0
-            )
-            if usual:
-                nonfinite, n_nonfinite, push_all = None, 0, True
-            else:
-                nonfinite, n_nonfinite, push_all = self._fix_gnmr(n, gnmr)
-
-            # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
-            # k = 0 and 0/0, rows added oldest-first (a fixed rounding order, see _reset_state).
-            wsum = rows[0]
-            for row in rows[1:]:  # over the window (W rows), not over units
-                wsum = wsum + row
-            k = self._window_size if self._window_full else np.minimum(self._gnmr_count, self.config.window)
-            delta = gnmr / (wsum / k)
-            # with k > 0 a NaN needs 0 / 0 (a finite GNMR over a finite window mean): never in the
-            # usual step, whose GNMR values are all positive
-            if not (usual and self._window_full):
-                delta[np.isnan(delta)] = 1.0
-            if n_nonfinite:
-                delta[nonfinite] = math.nan
-
+            gnmr, delta, nonfinite, n_nonfinite, push_all = self._gnmr_delta(n, rows)
             # Risky means R = max(GNMR / alpha, Delta / beta) >= 1, that is GNMR >= alpha or
             # Delta >= beta: for x >= 0 (+inf included) and a finite y > 0 the rounded quotient
             # x / y is >= 1 exactly when x >= y (rounding is monotone, y / y = 1, and for x < y the
@@ -474,59 +266,132 @@ class GNMRController:
             over_d = delta >= beta_a
             over_gnmr = int(np.count_nonzero(over_g))
             over_delta = int(np.count_nonzero(over_d))
-            n_locked = self._n_locked
-            U, K = self.num_units, self._max_active
-            budget = self._budget_bytes
-            hit_bytes = False  # the byte budget vetoed a candidate before the count cap filled
-            risk = None
             # A lock is only ever set on a selected (so recoverable) unit: with no risky unit and no
             # lock there is no candidate, and the quiet step is done here.
-            if not (over_gnmr or over_delta or n_nonfinite or n_locked):
+            if not (over_gnmr or over_delta or n_nonfinite or self._n_locked):
                 risky = selected = over_g  # all False
-                n_cand = 0
+                n_cand, risk, hit_bytes = 0, None, False
             else:
-                risky = over_g | over_d
-                if n_nonfinite:
-                    risky |= nonfinite
-                cand = risky | self._locked if n_locked else risky
-                if self._num_recoverable < U:
-                    cand = cand & self._recoverable
-                n_cand = int(np.count_nonzero(cand))
-                # top max_active candidates by R, ties to the lower index
-                if budget is not None and n_cand and K:
-                    if n_cand <= K and int(self._bytes[cand].sum()) <= budget:
-                        selected = cand  # every candidate fits, in count and in bytes
-                    else:
-                        risk = _risk(gnmr, delta, alpha, beta, nonfinite)
-                        selected, hit_bytes = _top_k_bytes(cand, risk, K, self.unit_bytes, budget)
-                elif n_cand <= K:
-                    selected = cand
-                elif K == 0:
-                    selected = np.zeros(U, dtype=bool)
-                else:
-                    risk = _risk(gnmr, delta, alpha, beta, nonfinite)
-                    selected = _top_k(cand, risk, K)
-        n_selected = min(n_cand, K) if budget is None else int(np.count_nonzero(selected))
+                risky, selected, n_cand, risk, hit_bytes = self._select(
+                    gnmr, delta, over_g | over_d, nonfinite, n_nonfinite, alpha, beta)
+        K = self._max_active
+        n_selected = min(n_cand, K) if self._budget_bytes is None else int(np.count_nonzero(selected))
+        self._update_locks(risky, selected, n_cand, n_selected)
+        self._push_histories(n, gnmr, rows, nonfinite, n_nonfinite, push_all)
 
-        # locks, from the budgeted selection even during the warm-up. Every locked unit is a
-        # candidate, so with no candidate there is no lock to set or decay.
+        warmup = t < self._full_recovery_steps  # the mask is for step t + 1 <= full_recovery_steps
+        new = self._recoverable if warmup else selected
+        old = self._active
+        n_new = self._num_recoverable if warmup else n_selected
+        # the budget bound: the count cap filled, or (with a byte budget) the bytes vetoed a candidate
+        hit_max = n_selected == K or hit_bytes
+        new_bytes = self._count(new, old, n_new, warmup or n_selected, over_gnmr, over_delta, n_nonfinite,
+                                hit_max, hit_bytes)
+        self.t = t
+        self._active = new
+        self._n_active = n_new
+        self._active_bytes = new_bytes
+        # the record (and R, unless the cut needed it) is built on first access: step() stays cheap
+        self._record_arrays = (
+            t, new, old, selected, gnmr, delta, risk, nonfinite, warmup, alpha, beta,
+            over_gnmr, over_delta, n_cand, hit_max, n_nonfinite, new_bytes, hit_bytes,
+        )
+        self._record_cache = None
+        return torch.from_numpy(new.copy())
+
+    def _gnmr_delta(self, n: np.ndarray, rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                           int, bool]:
+        """Step t's GNMR and Delta [U] (call under ``np.errstate`` with divide, invalid and over ignored), the
+        non-finite norm mask (None when there is none), their count, and whether every GNMR enters the window."""
+        # GNMR = n / historical mean. Every case that must give 1 yields NaN here: no finite
+        # history (0/0 mean) and 0/0 with an all-zero history; x/0 = +inf for x > 0 is already
+        # right. With a positive mean everywhere, a NaN or infinite GNMR can only come from a
+        # NaN or infinite norm (or an overflow) and a GNMR <= 0 (-0.0 included) from a norm
+        # <= 0 (or an underflow), so two reductions clear the usual step: every GNMR finite and
+        # positive. Anything else (negative norms included) goes through _fix_gnmr, before any
+        # state changes, so that a bad input leaves the controller untouched.
+        gnmr = n / (self._norm_sum / self._norm_count)
+        usual = (
+            self._history_positive
+            and np.maximum.reduce(gnmr) < math.inf  # a NaN norm makes the maximum NaN
+            and np.minimum.reduce(gnmr) > 0.0
+        )
+        if usual:
+            nonfinite, n_nonfinite, push_all = None, 0, True
+        else:
+            nonfinite, n_nonfinite, push_all = self._fix_gnmr(n, gnmr)
+
+        # Delta = GNMR / mean of the last min(window, k) finite GNMR values: same NaN trick for
+        # k = 0 and 0/0, rows added oldest-first (a fixed rounding order, see _reset_state).
+        wsum = rows[0]
+        for row in rows[1:]:  # over the window (W rows), not over units
+            wsum = wsum + row
+        k = self._window_size if self._window_full else np.minimum(self._gnmr_count, self.config.window)
+        delta = gnmr / (wsum / k)
+        # with k > 0 a NaN needs 0 / 0 (a finite GNMR over a finite window mean): never in the
+        # usual step, whose GNMR values are all positive
+        if not (usual and self._window_full):
+            delta[np.isnan(delta)] = 1.0
+        if n_nonfinite:
+            delta[nonfinite] = math.nan
+        return gnmr, delta, nonfinite, n_nonfinite, push_all
+
+    def _select(self, gnmr: np.ndarray, delta: np.ndarray, risky: np.ndarray, nonfinite: np.ndarray | None,
+                n_nonfinite: int, alpha: float, beta: float) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None,
+                                                                      bool]:
+        """The budgeted selection from the units over a threshold (``risky``, a new array: updated in place):
+        ``(risky, selected, |C_t|, R or None when the cut did not need it, whether the bytes vetoed a candidate)``.
+        Call it under ``np.errstate(over="ignore")``."""
+        U, K = self.num_units, self._max_active
+        budget = self._budget_bytes
+        hit_bytes = False  # the byte budget vetoed a candidate before the count cap filled
+        risk = None
+        if n_nonfinite:
+            risky |= nonfinite
+        cand = risky | self._locked if self._n_locked else risky
+        if self._num_recoverable < U:
+            cand = cand & self._recoverable
+        n_cand = int(np.count_nonzero(cand))
+        # top max_active candidates by R, ties to the lower index
+        if budget is not None and n_cand and K:
+            if n_cand <= K and int(self._bytes[cand].sum()) <= budget:
+                selected = cand  # every candidate fits, in count and in bytes
+            else:
+                risk = _risk(gnmr, delta, alpha, beta, nonfinite)
+                selected, hit_bytes = _top_k_bytes(cand, risk, K, self.unit_bytes, budget)
+        elif n_cand <= K:
+            selected = cand
+        elif K == 0:
+            selected = np.zeros(U, dtype=bool)
+        else:
+            risk = _risk(gnmr, delta, alpha, beta, nonfinite)
+            selected = _top_k(cand, risk, K)
+        return risky, selected, n_cand, risk, hit_bytes
+
+    def _update_locks(self, risky: np.ndarray, selected: np.ndarray, n_cand: int, n_selected: int) -> None:
+        """The lock counters, from the budgeted selection even during the warm-up. Every locked unit is a
+        candidate, so with no candidate there is no lock to set or decay."""
         lock_steps = self._lock_steps
-        if lock_steps and n_cand:
-            # selected & risky; when every candidate is selected and every unit recoverable, that is
-            # (risky | locked) & risky = risky
-            locked_now = risky if n_selected == n_cand and self._num_recoverable == U else selected & risky
-            if self._locks is None:  # lock_steps == 1: every other lock decays to 0
-                locked = locked_now
-            else:
-                locks = np.maximum(self._locks - 1, 0) if n_locked else np.zeros(U, dtype=np.int64)
-                locks[locked_now] = lock_steps
-                self._locks = locks
-                locked = locks > 0
-            self._locked = locked
-            self._n_locked = int(np.count_nonzero(locked))
+        if not (lock_steps and n_cand):
+            return
+        U = self.num_units
+        # selected & risky; when every candidate is selected and every unit recoverable, that is
+        # (risky | locked) & risky = risky
+        locked_now = risky if n_selected == n_cand and self._num_recoverable == U else selected & risky
+        if self._locks is None:  # lock_steps == 1: every other lock decays to 0
+            locked = locked_now
+        else:
+            locks = np.maximum(self._locks - 1, 0) if self._n_locked else np.zeros(U, dtype=np.int64)
+            locks[locked_now] = lock_steps
+            self._locks = locks
+            locked = locks > 0
+        self._locked = locked
+        self._n_locked = int(np.count_nonzero(locked))
 
-        # histories: only finite norms, only finite GNMR values (the counts are float64, so the
-        # mean needs no int-to-float conversion)
+    def _push_histories(self, n: np.ndarray, gnmr: np.ndarray, rows: list[np.ndarray], nonfinite: np.ndarray | None,
+                        n_nonfinite: int, push_all: bool) -> None:
+        """The histories: only finite norms, only finite GNMR values (the counts are float64, so the mean needs
+        no int-to-float conversion)."""
         if n_nonfinite:
             self._norm_sum += np.where(nonfinite, 0.0, n)
             self._norm_count += ~nonfinite
@@ -545,18 +410,15 @@ class GNMRController:
         if not self._window_full:
             self._window_full = bool(np.minimum.reduce(self._gnmr_count) >= self.config.window)
 
-        warmup = t < self._full_recovery_steps  # the mask is for step t + 1 <= full_recovery_steps
-        new = self._recoverable if warmup else selected
-        old = self._active
-        n_new = self._num_recoverable if warmup else n_selected
+    def _count(self, new: np.ndarray, old: np.ndarray, n_new: int, changed: Any, over_gnmr: int, over_delta: int,
+               n_nonfinite: int, hit_max: bool, hit_bytes: bool) -> int | None:
+        """Add step t to the run totals (``old``: the mask in effect during step t, ``new``: the next one;
+        ``changed`` false: the new mask is empty and not the warm-up's); returns ``new``'s recovery bytes."""
         # an empty new mask switches exactly the units of the old one
-        n_switch = int(np.count_nonzero(new ^ old)) if warmup or n_selected else self._n_active
+        n_switch = int(np.count_nonzero(new ^ old)) if changed else self._n_active
         n_old = self._n_active
         # |new| - |old| = promotions - demotions and |new ^ old| = promotions + demotions
         n_prom = (n_switch + n_new - n_old) // 2
-        # the budget bound: the count cap filled, or (with a byte budget) the bytes vetoed a candidate
-        hit_max = n_selected == K or hit_bytes
-
         tot = self._totals
         tot["gnmr_exceed"] += over_gnmr
         tot["delta_exceed"] += over_delta
@@ -565,25 +427,13 @@ class GNMRController:
         tot["promotions"] += n_prom
         tot["demotions"] += n_switch - n_prom
         tot["hit_max_steps"] += hit_max
-        new_bytes = None
-        if self._bytes is not None:
-            new_bytes = self._bytes_of(new)
-            bt = self._byte_totals
-            bt["active_bytes"] += self._active_bytes  # the mask in effect during step t, as above
-            bt["peak_active_bytes"] = max(bt["peak_active_bytes"], self._active_bytes)
-            bt["hit_bytes_steps"] += hit_bytes
-
-        self.t = t
-        self._active = new
-        self._n_active = n_new
-        self._active_bytes = new_bytes
-        # the record (and R, unless the cut needed it) is built on first access: step() stays cheap
-        self._record_arrays = (
-            t, new, old, selected, gnmr, delta, risk, nonfinite, warmup, alpha, beta,
-            over_gnmr, over_delta, n_cand, hit_max, n_nonfinite, new_bytes, hit_bytes,
-        )
-        self._record_cache = None
-        return torch.from_numpy(new.copy())
+        if self._bytes is None:
+            return None
+        bt = self._byte_totals
+        bt["active_bytes"] += self._active_bytes  # the mask in effect during step t, as above
+        bt["peak_active_bytes"] = max(bt["peak_active_bytes"], self._active_bytes)
+        bt["hit_bytes_steps"] += hit_bytes
+        return self._bytes_of(new)
 
     def _fix_gnmr(self, n: np.ndarray, gnmr: np.ndarray) -> tuple[np.ndarray | None, int, bool]:
         """The general case of the GNMR (in place): no finite history, zero means or norms, non-finite norms.
@@ -707,29 +557,12 @@ class GNMRController:
         return out
 
     # ------------------------------------------------------------------ state
-
     def state_dict(self) -> dict[str, Any]:
         """A JSON-serialisable snapshot (plain ints, floats, bools, lists; no NaN/Inf) for exact resume.
 
         ``last_record`` is not part of it: it is a view of the last step, not needed to continue.
         """
-        return {
-            "version": _STATE_VERSION,
-            "num_units": self.num_units,
-            "config": self.config.to_dict(),
-            "recoverable": self.recoverable.tolist(),
-            "t": self.t,
-            "active": self._active.tolist(),
-            "locks": self._lock_counters().tolist(),
-            "norm_sum": self._norm_sum.tolist(),
-            "norm_count": self._norm_count.astype(np.int64).tolist(),
-            "gnmr_window": np.stack(self._gnmr_window, axis=1).tolist(),  # [U][W], oldest first
-            "gnmr_count": self._gnmr_count.tolist(),
-            "totals": dict(self._totals),
-            # only with unit_bytes: without them the state is the one written before they existed
-            **({} if self._bytes is None else {"unit_bytes": list(self.unit_bytes),
-                                                "byte_totals": dict(self._byte_totals)}),
-        }
+        return controller_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict` (possibly after a JSON round trip).
@@ -738,62 +571,7 @@ class GNMRController:
         units and ``unit_bytes``; otherwise ``ValueError`` says what differs (build a matching controller with
         :meth:`from_state_dict`).
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported GNMRController state version {state.get('version')!r}")
-        if state["num_units"] != self.num_units:
-            raise ValueError(
-                f"state is for num_units={state['num_units']}, this controller has num_units={self.num_units}"
-            )
-        saved = GNMRConfig.from_dict(state["config"])
-        if saved != self.config:
-            diff = [
-                f"{f.name}: saved {getattr(saved, f.name)!r} vs {getattr(self.config, f.name)!r}"
-                for f in fields(GNMRConfig)
-                if getattr(saved, f.name) != getattr(self.config, f.name)
-            ]
-            raise ValueError("state was saved with a different GNMRConfig (" + "; ".join(diff) + ")")
-        if list(state["recoverable"]) != self.recoverable.tolist():
-            raise ValueError("state was saved with a different set of recoverable units")
-        saved_bytes = state.get("unit_bytes")
-        if (None if saved_bytes is None else [int(v) for v in saved_bytes]) != (
-            None if self.unit_bytes is None else list(self.unit_bytes)
-        ):
-            raise ValueError(
-                f"state was saved with unit_bytes={saved_bytes!r}, this controller has unit_bytes="
-                f"{None if self.unit_bytes is None else list(self.unit_bytes)!r}"
-            )
-        if saved_bytes is not None:
-            missing_bytes = set(_BYTE_TOTAL_KEYS) - set(state.get("byte_totals", ()))
-            if missing_bytes:
-                raise ValueError(f"state byte_totals lack {sorted(missing_bytes)}")
-        U, W = self.num_units, self.config.window
-        window = np.asarray(state["gnmr_window"], dtype=np.float64)
-        if window.shape != (U, W):
-            raise ValueError(f"state gnmr_window has shape {tuple(window.shape)}, expected ({U}, {W})")
-        missing = set(_TOTAL_KEYS) - set(state["totals"])
-        if missing:
-            raise ValueError(f"state totals lack {sorted(missing)}")
-        for name in ("active", "locks", "norm_sum", "norm_count", "gnmr_count"):
-            if len(state[name]) != U:
-                raise ValueError(f"state {name} has length {len(state[name])}, expected {U}")
-        self.t = int(state["t"])
-        self._active = np.asarray(state["active"], dtype=bool)
-        self._n_active = int(self._active.sum())
-        locks = np.asarray(state["locks"], dtype=np.int64)
-        self._locked = locks > 0
-        self._locks = None if self.config.lock_steps == 1 else locks
-        self._norm_sum = np.asarray(state["norm_sum"], dtype=np.float64)
-        self._norm_count = np.asarray(state["norm_count"], dtype=np.float64)
-        self._gnmr_window = [row.copy() for row in window.T]
-        self._gnmr_count = np.asarray(state["gnmr_count"], dtype=np.int64)
-        self._refresh_flags()
-        self._totals = {key: int(state["totals"][key]) for key in _TOTAL_KEYS}
-        self._active_bytes = self._bytes_of(self._active)
-        self._byte_totals = dict.fromkeys(_BYTE_TOTAL_KEYS, 0)
-        if saved_bytes is not None:
-            self._byte_totals = {key: int(state["byte_totals"][key]) for key in _BYTE_TOTAL_KEYS}
-        self._record_arrays = None
-        self._record_cache = None
+        restore_state(self, state)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> GNMRController:
@@ -814,80 +592,3 @@ class GNMRController:
             f"t={self.t}, active={np.flatnonzero(self._active).tolist()}, config={self.config})"
         )
 
-
-# dtypes NumPy holds natively: their tensors convert without a torch-side cast
-_NUMPY_FLOATS = (torch.float64, torch.float32, torch.float16)
-_ZERO = np.zeros(())  # a float64 0-d array: NumPy adds it faster than the Python float 0.0
-
-
-# up to this many candidates the top-K cut sorts them; more are cut with a partition (linear time)
-_TOP_K_SORT_MAX = 512
-
-
-def _risk(gnmr: np.ndarray, delta: np.ndarray, alpha: float, beta: float, nonfinite: np.ndarray | None) -> np.ndarray:
-    """R = max(GNMR / alpha_t, Delta / beta_t) per unit, +inf where the norm was not finite (a new array).
-
-    Call it under ``np.errstate(over="ignore")``: a tiny threshold can overflow the quotient to +inf.
-    """
-    risk = np.maximum(gnmr / alpha, delta / beta)
-    if nonfinite is not None:
-        risk[nonfinite] = math.inf
-    return risk
-
-
-def _top_k(cand: np.ndarray, risk: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` candidates with the largest R as a new bool mask, ties to the lower index (0 < k < |cand|)."""
-    idx = cand.nonzero()[0]  # the candidates' indices, ascending
-    r = risk[idx]  # R >= 0 (+inf allowed, never NaN)
-    if len(idx) <= _TOP_K_SORT_MAX:
-        # a stable sort by -R keeps the candidates tied at one R in index order
-        top = idx[(-r).argsort(kind="stable")[:k]]
-    else:
-        # the k-th largest R is the cut: everything above it is in, and of the candidates tied at
-        # it, the lowest indices fill the remaining places (cumsum counts ties in index order)
-        cut = -np.partition(-r, k - 1)[k - 1]
-        above = r > cut
-        tied = r == cut
-        top = idx[above | (tied & (tied.cumsum() <= k - np.count_nonzero(above)))]
-    selected = np.zeros(len(cand), dtype=bool)
-    selected[top] = True
-    return selected
-
-def _top_k_bytes(
-    cand: np.ndarray, risk: np.ndarray, k: int, unit_bytes: tuple[int, ...], budget: int
-) -> tuple[np.ndarray, bool]:
-    """The byte-budgeted selection as a new bool mask, and whether the budget skipped a candidate.
-
-    The candidates in rank order (R descending, ties to the lower index: the order of :func:`_top_k`);
-    a unit whose bytes would take the running total over ``budget`` is skipped, and the walk stops
-    once ``k`` units are taken (k > 0). Candidates after the k-th taken are not looked at, so they
-    do not count as skipped. A Python loop over the candidates: they are few (tens) at most steps.
-    """
-    idx = cand.nonzero()[0]
-    order = idx[(-risk[idx]).argsort(kind="stable")].tolist()
-    selected = np.zeros(len(cand), dtype=bool)
-    total, taken, skipped = 0, 0, False
-    for b in order:
-        nb = unit_bytes[b]
-        if total + nb > budget:
-            skipped = True
-            continue
-        selected[b] = True
-        total += nb
-        taken += 1
-        if taken == k:
-            break
-    return selected, skipped
-
-
-_BYTE_TOTAL_KEYS = ("active_bytes", "peak_active_bytes", "hit_bytes_steps")
-
-_TOTAL_KEYS = (
-    "gnmr_exceed",
-    "delta_exceed",
-    "nonfinite",
-    "active_unit_steps",
-    "promotions",
-    "demotions",
-    "hit_max_steps",
-)
