@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gnmr_hf.reporting.plots import save_figure
+
 # ------------------------------------------------------------------------------------------ plot
 
 _OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,8 +39,6 @@ def plot_profile(profile: Any, plans: Sequence[Any], path: str | os.PathLike,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from gnmr_hf.reporting.plots import save_figure
 
     name = profile._score_name(criterion)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.1]})

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf._import_utils import require
+from gnmr_hf.reporting.plots import save_figure
 
 HEADER = ("Method", "GSM8K EM", "MMLU Acc.", "HellaSwag Acc.", "WikiText-2 PPL")
 # (summary key, harness task, harness metric key without the filter); GSM8K's filter is a parameter
@@ -126,8 +127,6 @@ def plot_table(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
 
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
-
-    from gnmr_hf.reporting.plots import save_figure
 
     panels = [
         ("gsm8k_em", "GSM8K EM (%)", 100.0, "higher is better"),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gnmr_hf.backends.base import DualPathModule
 from gnmr_hf.trainer.state import GNMRState
 
 _GUARD = "_gnmr_guard"
@@ -251,8 +252,6 @@ BNB_FSDP_WHY = {
 
 def bnb_dual_path(model: torch.nn.Module) -> list[str]:
     """Names of the dual-path modules built on a bitsandbytes layer (INT8 ``Linear8bitLt``, 4-bit ``Linear4bit``)."""
-    from gnmr_hf.backends.base import DualPathModule
-
     return [name for name, m in model.named_modules() if isinstance(m, DualPathModule)
             and any(c.__module__.split(".")[0] == "bitsandbytes" for c in type(m).__mro__)]
 
