@@ -270,9 +270,9 @@ def test_gnmr_hf_profile_groups_reaches_the_planner(tiny_with_tokenizer, tmp_pat
     assert saved["plan"]["groups"] == "vllm" and all(p["groups"] == "vllm" for p in saved["price"])
     kept = [s for s in saved["skip_modules"] if s != "lm_head"]
     assert kept and split_groups(kept, groups) == []
-    # the written plan is the library's grouped plan of the written profile, at the same budget
+    # the written plan is make_plan's grouped plan of the written profile, at the same budget (bytes over NF4)
     prof = SensitivityProfile.from_json(tmp_path / "g" / "profile.json")
-    assert saved["plan"]["indices"] == plan(prof, saved["plan"]["budget_bytes"], groups="vllm").indices
+    assert saved["plan"]["indices"] == _served_plan(prof, saved["plan"]["budget_bytes"], "vllm")
     # the side-by-side table: a free and a grouped row per budget, in-sample and held-out, with the difference
     head = next(i for i, ln in enumerate(out.splitlines()) if ln.startswith("| budget | plan |"))
     rows = [ln for ln in out.splitlines()[head + 2:] if ln.startswith("|")]
@@ -285,8 +285,8 @@ def test_gnmr_hf_profile_groups_reaches_the_planner(tiny_with_tokenizer, tmp_pat
     out = capsys.readouterr().out
     free = json.loads((tmp_path / "f" / "profile.json").read_text())
     assert free["plan"]["groups"] is None and "grouped (vllm)" in out
-    assert free["plan"]["indices"] == plan(SensitivityProfile.from_json(tmp_path / "f" / "profile.json"),
-                                           free["plan"]["budget_bytes"]).indices
+    assert free["plan"]["indices"] == _served_plan(SensitivityProfile.from_json(tmp_path / "f" / "profile.json"),
+                                                   free["plan"]["budget_bytes"])
     assert free["plan"]["indices"] != saved["plan"]["indices"]  # the flag changed the plan
     # a value the flag does not know: one line, exit code 2
     with pytest.raises(SystemExit) as e:
@@ -367,9 +367,22 @@ def test_the_recipe_key_reaches_the_planner(tiny_with_tokenizer, tmp_path, ladde
                 require_groups(tmp_path / groups, "vllm")
     free, grouped = records["null"][0], records["vllm"][0]
     assert (free["rungs"] if ladder else free["modules"]) != (grouped["rungs"] if ladder else grouped["modules"])
-    if not ladder:  # the BF16 plan: the library's grouped plan of the written profile at the recorded budget
+    if not ladder:  # the BF16 plan: make_plan's grouped plan of the written profile at the recorded budget
         prof = SensitivityProfile.from_json(tmp_path / "vllm" / "profile.json")
-        assert plan(prof, grouped["plan_budget_bytes"], groups="vllm").indices == grouped["indices"]
+        assert _served_plan(prof, grouped["plan_budget_bytes"], "vllm") == grouped["indices"]
+
+
+def _served_plan(prof, budget: int, groups=None) -> list[int]:
+    """The unit indices make_plan chooses from a written profile: greedy by first-order score per byte served over
+    NF4 (each linear's BF16 weight less its NF4 weight and quant state), whole serving groups with ``groups``."""
+    from gnmr_hf.planning.budget import rung_price
+    from gnmr_hf.planning.ladder import LadderUnit, choose_rungs
+
+    units = [LadderUnit(u.modules[0], u.bytes // 2, 1, gains={"bf16": u.scores["first_order"]},
+                        prices={"bf16": rung_price(u.bytes // 2, 1, "bf16", "nf4")}) for u in prof.units]
+    layout = serving_groups("LlamaForCausalLM", [u.name for u in units]) if groups else None
+    chosen = choose_rungs(units, budget, ("bf16",), groups=layout)
+    return [i for i, u in enumerate(prof.units) if u.modules[0] in chosen]
 
 
 def _linears_of(path):

@@ -110,9 +110,9 @@ class _Plans:
             m = measure_plan(model, [], heldout)
             self.ref = (m["loss_low"], m["loss_high"])
 
-    def make(self, budget, groups) -> tuple[Plan, PrecisionPlan]:
+    def make(self, budget, groups, text: str | None = None) -> tuple[Plan, PrecisionPlan]:
         plan = make_plan(self.model, self.batches, budget, ("bf16",), groups, self.gains.criterion, low=self.args.low,
-                         model_path=self.model_path, prices=self.prices, gains=self.gains)
+                         model_path=self.model_path, prices=self.prices, gains=self.gains, budget_text=text)
         view = precision_plan(plan, self.prof, self.model, self.batches)
         if self.heldout:
             view.measured["heldout"] = measure_plan(self.model, view.indices, self.heldout, reference=self.ref)
@@ -126,10 +126,10 @@ class _Plans:
             if b == main_budget:
                 continue
             try:
-                out.append(self.make(b, groups))
+                out.append(self.make(b, groups, f"{100 * f:g}%"))
             except PlanError:  # a tiny model's smallest budgets buy no linear
                 continue
-        out.append(self.make(main_budget, groups))
+        out.append(self.make(main_budget, groups, self.args.budget))
         return sorted(out, key=lambda pv: pv[0].budget_bytes)
 
 
@@ -142,21 +142,33 @@ def _gap(view: PrecisionPlan, where: str, floor: float) -> str:
     return f"{m['gap_closed']:.3f}"
 
 
-def format_plans(rows: list[tuple[str, Plan, PrecisionPlan]], low: str, floors: dict[str, float]) -> str:
+def format_plans(rows: list[tuple[str, Plan, PrecisionPlan]], low: str, floors: dict[str, float],
+                 paired: bool = False) -> str:
     """The plans in one currency: budget and price as memory over the all-low model as served, held-out gap
-    closed first, in-sample labelled; ``noise`` where the gap's denominator is below :func:`noise_floor`."""
+    closed first, in-sample labelled; ``noise`` where the gap's denominator is below :func:`noise_floor`.
+    ``paired``: rows come as (free, grouped) at each budget, and each grouped row says what the constraint cost
+    (grouped - free gap closed)."""
     wheres = [w for w in ("heldout", "profile") if any(w in v.measured for _, _, v in rows)]
     label = {"heldout": "held-out", "profile": "profile, in-sample"}
     lo = low.upper()
     head = (["budget", "plan", f"budget over {lo}", f"plan over {lo}", "linears", "predicted gain"]
-            + [f"gap closed ({label[w]})" for w in wheres])
+            + [f"gap closed ({label[w]})" for w in wheres] + ([f"grouped - free ({w})" for w in wheres] if paired else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    previous = None
     for kind, plan, view in rows:
         low_bytes = plan.chosen_by["low_model_bytes"]
         row = [plan.budget or "", kind, f"+{100 * plan.budget_bytes / low_bytes:.2f} %",
                f"+{100 * plan.price_bytes / low_bytes:.2f} %", str(len(plan.rungs)),
                f"{plan.chosen_by['predicted_gain']:.4g}"]
         row += [_gap(view, w, floors.get(w, 0.0)) for w in wheres]
+        if paired:
+            if plan.groups and previous is not None:
+                a, b = ([_gap(v, w, floors.get(w, 0.0)) for w in wheres] for v in (view, previous))
+                row += [f"{float(x) - float(y):+.3f}" if x not in ("-", "noise") and y not in ("-", "noise") else x
+                        for x, y in zip(a, b)]
+            else:
+                row += [""] * len(wheres)
+        previous = view
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -196,7 +208,6 @@ def run_bnb(args: argparse.Namespace, model_path: Path, recipe, batches, heldout
     print(f"[profile] choosing and measuring the plans at {len(PRICE_POINTS) + 1} budgets ...", flush=True)
     chosen = plans.points(budget, args.groups)
     main_plan, main_view = next(pv for pv in chosen if pv[0].budget_bytes == budget)
-    main_plan.budget = args.budget
     floors = {"profile": noise_floor(prof.tokens)}
     if heldout:
         floors["heldout"] = noise_floor(examples(heldout)[1])
@@ -220,7 +231,7 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
         for plan, view in chosen:
             other = None if args.groups else "vllm"
             try:
-                pair = [(plan, view), plans.make(plan.budget_bytes, other)]
+                pair = [(plan, view), plans.make(plan.budget_bytes, other, plan.budget)]
             except PlanError:  # the budget buys no whole group
                 continue
             pair.sort(key=lambda pv: pv[0].groups is not None)
@@ -236,7 +247,7 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
           f"{args.low} model, {plans.prices.low_model_bytes / 2**20:.1f} MiB; gap closed = (L_low - L_plan) / "
           f"(L_low - L_high), held-out first, then in-sample on the {len(plans.batches)} profile batch(es) the plans "
           f"were chosen on; the plan written is the {'grouped' if args.groups else 'free'} one at {args.budget}):")
-    print(format_plans(rows, args.low, floors))
+    print(format_plans(rows, args.low, floors, paired=layout is not None))
     note = _noise_note(prof, [v for _, _, v in rows], floors)
     if note:
         print(note)
