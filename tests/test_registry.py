@@ -1,0 +1,176 @@
+"""A new precision and a new export format are one file each: a toy rung (6-bit row-wise codes) and a toy export
+format registered from this file alone (gnmr_hf.rungs.register_rung, gnmr_hf.exports.register_format), then
+planned with the ladder's own entry points (rung_gains, choose_rungs), saved and read back as a Plan, loaded by
+load_planned, trained one LoRA step, exported through ``gnmr-hf export --format`` and reloaded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gnmr_hf.exports import ExportFormat, get_format, register_format, unregister_format
+from gnmr_hf.memory import weight_bytes
+from gnmr_hf.planning import ladder
+from gnmr_hf.planning.plan import Plan, PlanError
+from gnmr_hf.rungs import LinearBytes, Rung, get_rung, planned_rungs, register_rung, unregister_rung
+
+pytest.importorskip("bitsandbytes")
+
+TOY, FMT = "toy6", "toy-folder"
+LEVELS = 31  # 6-bit symmetric codes: -31 .. 31
+
+
+def toy_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise symmetric 6-bit codes (stored one a byte) and one BF16 scale a row."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / LEVELS).clamp_min(1e-12).to(torch.bfloat16)
+    codes = torch.round(w / scale.float()).clamp(-LEVELS, LEVELS).to(torch.int8)
+    return codes, scale
+
+
+def toy_fake_quant(w: torch.Tensor) -> torch.Tensor:
+    codes, scale = toy_codes(w)
+    return (codes.float() * scale.float()).to(w.dtype)
+
+
+class ToyLinear(torch.nn.Linear):
+    """What a linear planned on the toy rung is loaded as: its int8 codes (a frozen parameter) and row scales."""
+
+    def __init__(self, weight: torch.Tensor):
+        out_f, in_f = weight.shape
+        super().__init__(in_f, out_f, bias=False, device="meta")
+        codes, scale = toy_codes(weight)
+        self.weight = torch.nn.Parameter(codes.to(weight.device), requires_grad=False)
+        self.register_buffer("scale", scale.to(weight.device))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, (self.weight.float() * self.scale.float()).to(x.dtype), self.bias)
+
+
+def toy_bytes(numel: int, rows: int, **_) -> LinearBytes:
+    return LinearBytes(numel, 2 * rows)  # what ToyLinear holds: the int8 codes (counted) and its BF16 scales
+
+
+def write_toy(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The toy format's entry for the toy rung: the codes and scales of one linear."""
+    codes, scale = toy_codes(weight)
+    return {f"{name}.codes": codes.contiguous(), f"{name}.scale": scale.contiguous()}
+
+
+def export_toy(args, model_path: str) -> dict:
+    """The toy format: the adapter merged into the BF16 weights, every planned linear written by its rung's
+    ``exports[FMT]`` entry, the rest of the model as BF16 tensors; plan.json beside."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    plan = Plan.load(args.plan)
+    missing = sorted({r for r in plan.rungs.values() if FMT not in get_rung(r).exports})
+    if missing:
+        raise ValueError(f"{FMT} writes no {missing}")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    if args.adapter:
+        model = peft.PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name, rung in plan.rungs.items():
+        state.update(get_rung(rung).exports[FMT](name, state.pop(f"{name}.weight")))
+    from pathlib import Path
+
+    out = Path(args.output)
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"))
+    model.config.save_pretrained(out)
+    plan.save(out / "plan.json")
+    return {"folder": str(out), "planned": len(plan.rungs)}
+
+
+@pytest.fixture
+def toy():
+    rung = register_rung(Rung(TOY, toy_bytes, fake_quant=toy_fake_quant, module=lambda w, **_: ToyLinear(w),
+                              exports={FMT: write_toy}, planned=True, doc="6-bit row-wise codes"))
+    fmt = register_format(ExportFormat(FMT, export_toy, lambda s: f"wrote {s['folder']} ({s['planned']} planned)",
+                                       errors=(ValueError,)))
+    yield rung, fmt
+    unregister_rung(TOY)
+    unregister_format(FMT)
+
+
+def test_a_toy_rung_and_format_plan_train_export_and_reload(toy, tiny_llama_dir, tmp_path, capsys):
+    import peft
+
+    from gnmr_hf.export import main as export_main
+
+    # the registry prices it by its own bytes, the ladder offers it
+    assert TOY in planned_rungs() and weight_bytes(64 * 128, 128, TOY) == LinearBytes(64 * 128, 256)
+    prices = ladder.rung_prices(64 * 128, 128)
+    assert prices[TOY] == 64 * 128 + 256 - weight_bytes(64 * 128, 128, "nf4").total > 0
+
+    # plan: the ladder's first-order gains of the toy rung at the all-NF4 point, then the knapsack over it alone
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 12))
+    low = ladder.load_planned(tiny_llama_dir, {}, dtype=torch.float32)
+    units = ladder.rung_gains(low, tiny_llama_dir, [{"input_ids": ids, "labels": ids}], rungs=(TOY, "bf16"))
+    assert all(set(u.gains) == {TOY, "bf16"} and math.isfinite(u.gains[TOY]) for u in units)
+    best = sorted((u for u in units if u.gains[TOY] > 0), key=lambda u: -u.gains[TOY] / u.prices[TOY])[:3]
+    chosen = ladder.choose_rungs(units, sum(u.prices[TOY] for u in best), rungs=(TOY,))
+    assert chosen == {u.name: TOY for u in best} and len(chosen) == 3
+    path = Plan(rungs=chosen, low="nf4", rung_set=(TOY,)).save(tmp_path / "plan" / "profile.json")
+    assert Plan.load(path.parent).rungs == chosen
+
+    # load: the toy modules swapped in over the checkpoint weight, computing its fake quantisation
+    model = ladder.load_planned(tiny_llama_dir, path.parent, dtype=torch.float32)
+    mods = dict(model.named_modules())
+    name = next(iter(chosen))
+    assert isinstance(mods[name], ToyLinear)
+    w = load_file(str(tiny_llama_dir / "model.safetensors"))[f"{name}.weight"]
+    x = torch.randn(3, w.shape[1])
+    codes, scale = toy_codes(w)
+    expected = torch.nn.functional.linear(x, codes.float() * scale.float())
+    assert torch.allclose(mods[name](x), expected, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(mods[name](x), torch.nn.functional.linear(x, w.float()), atol=1e-4)  # it quantised
+
+    # one LoRA step over every decoder linear (NF4, toy)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_proj", "up_proj", "down_proj"]))
+    opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    b = dict(lora.named_parameters())[f"base_model.model.{name}.lora_B.default.weight"]
+    assert not b.any()
+    lora(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert b.abs().sum() > 0  # the toy linear's adapter trained
+    lora.save_pretrained(tmp_path / "adapter")
+
+    # export through gnmr-hf export's dispatcher, reload
+    out = tmp_path / "out"
+    assert export_main(["--model", str(tiny_llama_dir), "--plan", str(path), "--output", str(out), "--format", FMT,
+                        "--adapter", str(tmp_path / "adapter")]) == 0
+    assert f"wrote {out} (3 planned)" in capsys.readouterr().out
+    saved = load_file(str(out / "model.safetensors"))
+    merged = peft.PeftModel.from_pretrained(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16),
+        str(tmp_path / "adapter")).merge_and_unload()
+    for n in chosen:
+        codes, scale = toy_codes(dict(merged.named_parameters())[f"{n}.weight"].detach())
+        assert torch.equal(saved[f"{n}.codes"], codes) and torch.equal(saved[f"{n}.scale"], scale)
+        assert f"{n}.weight" not in saved
+    assert Plan.load(out / "plan.json").rungs == chosen
+
+
+def test_a_registered_format_is_offered_and_an_unknown_rung_refused(toy, tmp_path):
+    from gnmr_hf.export import main as export_main
+
+    assert get_format(FMT).run is export_toy
+    with pytest.raises(SystemExit):  # argparse: not a choice once unregistered
+        unregister_format(FMT)
+        export_main(["--model", "m", "--plan", "p", "--output", "o", "--format", FMT])
+    register_format(toy[1])
+    unregister_rung(TOY)
+    with pytest.raises(PlanError, match="unknown rung"):
+        Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,))
+    register_rung(toy[0])
+    with pytest.raises(PlanError, match="which compressed-tensors has no scheme for"):
+        Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,)).ct_config(["model.layers.0.mlp.up_proj"])
+    with pytest.raises(PlanError, match="on toy6 .*cannot hold"):
+        Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,)).skip_modules()
