@@ -151,7 +151,7 @@ def format_plans(rows: list[tuple[str, Plan, PrecisionPlan]], low: str, floors: 
     wheres = [w for w in ("heldout", "profile") if any(w in v.measured for _, _, v in rows)]
     label = {"heldout": "held-out", "profile": "profile, in-sample"}
     lo = low.upper()
-    head = (["budget", "plan", f"budget over {lo}", f"plan over {lo}", "linears", "predicted gain"]
+    head = (["budget", "plan", f"memory over {lo} (budget)", f"memory over {lo} (plan)", "linears", "predicted gain"]
             + [f"gap closed ({label[w]})" for w in wheres] + ([f"grouped - free ({w})" for w in wheres] if paired else []))
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     previous = None
