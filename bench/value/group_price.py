@@ -7,13 +7,13 @@ linear. For each model (``--model``: SmolLM2-135M-Instruct, Gemma 3 270M) on the
 held out; ``apt-get install -y python3.11-doc``), at +5 / +10 / +25 % memory over the NF4 model (the recipes'
 one budget currency: what the plan adds to the served model over all-NF4), two routes:
 
-- ``bf16``: the BF16-only plan, the product's planner (``gnmr_hf.plan``) over the first-order profile of the
-  dual-path NF4 model (``prepare_dual_path(..., units="linears")``, FP32 compute) on the profile batches, its
-  BF16 budget the largest whose set fits the served budget (``planner_budget``, as recipes/finetune.py does;
-  for the grouped plan over purchases: a group's score, bytes and price the sums of its members'), measured
-  with the set on BF16 (``measure_plan``);
+- ``bf16``: the BF16-only plan, the product's planner (``gnmr_hf.planning.make_plan``, as ``gnmr-hf profile`` and
+  the recipes choose) over the first-order profile of the dual-path NF4 model (``prepare_dual_path(...,
+  units="linears")``, FP32 compute) on the profile batches, greedy by gain per byte served over NF4 (grouped:
+  whole serving groups), measured with the set on BF16 (``measure_plan``);
 - ``ladder``: the precision ladder (NF4, INT8 or BF16 per linear, ``rung_gains`` on the stock NF4 model,
-  ``choose_rungs``; grouped: one rung per group), measured on ``load_planned``'s stock mixed model.
+  ``make_plan(..., rungs=("int8", "bf16"))``; grouped: one rung per group), measured on ``load_planned``'s stock
+  mixed model.
 
 Each plan's gap closed ``(L_nf4 - L) / (L_nf4 - L_bf16)`` on the profile batches (in-sample: the plan was
 chosen on them; the first ``--profile-batches`` training batches of 4, as the recipes and the qlora bench
@@ -104,10 +104,9 @@ def bf16_route(alias: str, out: Path, model_path: str, batches, held) -> None:
 
     import gnmr_hf
     from gnmr_hf.backends.bnb_4bit import keep_reference_layout
-    from gnmr_hf.planning.budget import over_low_prices, planner_budget, rung_price
-    from gnmr_hf.planning.groups import purchase_totals, split_groups
-    from gnmr_hf.planning.passes import _units
-    from gnmr_hf.planning.planner import measure_plan, serving_layout, unit_purchases
+    from gnmr_hf.planning.groups import split_groups
+    from gnmr_hf.planning.make import layout_of, make_plan, plan_gains, plan_prices, precision_plan
+    from gnmr_hf.planning.planner import measure_plan
 
     todo = [(p, k) for p in POINTS for k in KINDS if not result_path(out, alias, "bf16", p, k).is_file()]
     if not todo:
@@ -117,12 +116,9 @@ def bf16_route(alias: str, out: Path, model_path: str, batches, held) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, quantization_config=q)
     keep_reference_layout(model)
     model = gnmr_hf.prepare_dual_path(model, recovery_source=model_path, units="linears", dtype=torch.float32)
-    info = _units(model, "linears")
-    linears = [m for u in info for m in u.modules]
-    nf4 = over_low_prices(model_path, linears, "nf4")["low_model_bytes"]
-    prices = [sum(rung_price(m.out_features * m.in_features, m.out_features, "bf16", "nf4") for m in u.dual)
-              for u in info]
-    layout = serving_layout("vllm", model=model, linears=linears)
+    prices = plan_prices(model, ("bf16",), "nf4", model_path)
+    nf4 = prices.low_model_bytes
+    layout = layout_of(model, "vllm", prices)
     prof = gnmr_hf.profile_sensitivity(model, batches, criteria=("first_order",))
     profiled = time.perf_counter() - t0
     ref_path = out / alias / "bf16-reference.json"
@@ -132,23 +128,19 @@ def bf16_route(alias: str, out: Path, model_path: str, batches, held) -> None:
         h = measure_plan(model, [], held)
         ref = {"profile": {"loss_low": prof.losses["low"], "loss_high": prof.losses["high"]},
                "heldout": {"loss_low": h["loss_low"], "loss_high": h["loss_high"]}, "nf4_model_bytes": nf4,
-               "profile_tokens": _tokens(batches), "heldout_tokens": _tokens(held), "units": len(info),
+               "profile_tokens": _tokens(batches), "heldout_tokens": _tokens(held), "units": len(prices.linears),
                "serving_groups": len(layout), "profile_seconds": round(profiled, 1)}
         _write(ref_path, ref)
-    scores = prof.scores("first_order")
-    sizes = [u.bytes for u in prof.units]
-    buys, _ = unit_purchases(prof, layout)
+    gains = plan_gains(model, batches, prices, "first_order", profile=prof)
     for pct, kind in todo:
         t1 = time.perf_counter()
         budget = int(pct / 100 * nf4)
-        if kind == "free":
-            bf16_budget = planner_budget(scores, sizes, prices, budget)
-        else:
-            bf16_budget = planner_budget(*(purchase_totals(buys, v) for v in (scores, sizes, prices)), budget)
-        p = gnmr_hf.plan(prof, bf16_budget, criterion="first_order", model=model, batches=batches, heldout=held,
-                         heldout_reference=(ref["heldout"]["loss_low"], ref["heldout"]["loss_high"]),
-                         groups=None if kind == "free" else "vllm")
-        price = sum(prices[i] for i in p.indices)
+        plan = make_plan(model, batches, budget, ("bf16",), None if kind == "free" else "vllm", prices=prices,
+                         gains=gains)
+        p = precision_plan(plan, prof, model, batches)
+        p.measured["heldout"] = measure_plan(model, p.indices, held,
+                                             reference=(ref["heldout"]["loss_low"], ref["heldout"]["loss_high"]))
+        price = plan.price_bytes
         assert price <= budget, (price, budget)
         _write(result_path(out, alias, "bf16", pct, kind), {
             "model": alias, "route": "bf16", "memory_over_nf4_budget": pct / 100, "kind": kind, "budget_bytes": budget,
@@ -171,6 +163,7 @@ def ladder_route(alias: str, out: Path, model_path: str, batches, held) -> None:
     from gnmr_hf.planning import ladder
     from gnmr_hf.planning.budget import over_low_prices
     from gnmr_hf.planning.groups import split_groups
+    from gnmr_hf.planning.make import PlanGains, PlanPrices, make_plan
     from gnmr_hf.planning.planner import serving_layout
 
     todo = [(p, k) for p in POINTS for k in KINDS if not result_path(out, alias, "ladder", p, k).is_file()]
@@ -197,11 +190,15 @@ def ladder_route(alias: str, out: Path, model_path: str, batches, held) -> None:
         _write(ref_path, ref)
     stock = None
     gc.collect()
+    prices = PlanPrices([u.name for u in units], {u.name: (u.rows, u.numel // u.rows) for u in units},
+                        {u.name: dict(u.prices) for u in units}, "nf4", nf4, ("int8", "bf16"))
+    gains = PlanGains(units, "first_order", len(batches), _tokens(batches))
     for pct, kind in todo:
         t1 = time.perf_counter()
         budget = int(pct / 100 * nf4)
-        chosen = ladder.choose_rungs(units, budget, groups=None if kind == "free" else layout)
-        gain, price = ladder.plan_gain(units, chosen)
+        plan = make_plan(None, batches, budget, ("int8", "bf16"), None if kind == "free" else "vllm", prices=prices,
+                         gains=gains, layout=layout)
+        chosen, gain, price = plan.rungs, plan.chosen_by["predicted_gain"], plan.price_bytes
         assert price <= budget, (price, budget)
         mixed = ladder.load_planned(model_path, chosen, "nf4", dtype=torch.float32, compute_dtype=torch.float32)
         ladder._reference_layout(mixed)

@@ -219,7 +219,7 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
               criterion: str | None = None, *, low: str = "nf4", model_path: str | os.PathLike | None = None,
               double_quant: bool = False, group_size: int | None = None, share: float = 1.0,
               prices: PlanPrices | None = None, gains: PlanGains | None = None, progress: bool = False,
-              budget_text: str | None = None, dtype=None) -> Plan:
+              budget_text: str | None = None, dtype=None, layout=None) -> Plan:
     """Choose a plan: which of the model's planned linears go on which of ``rungs``, within ``budget``.
 
     Args:
@@ -238,6 +238,8 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
         prices, gains: :func:`plan_prices` and :func:`plan_gains` already computed for these inputs.
         progress: progress bars for the sensitivity pass.
         dtype: the ladder's stock low model's compute dtype (default: the model's).
+        layout: ``groups``' serving groups when already read (:func:`layout_of`; a bench that no longer holds the
+            model).
         budget_text: how the budget is shown in refusals and recorded (default ``str(budget)``).
 
     Returns:
@@ -253,7 +255,7 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
     if not rungs:
         raise PlanError("make_plan: rungs must name int8 and/or bf16")
     prices = prices or plan_prices(model, rungs, low, model_path, double_quant, group_size)
-    layout = layout_of(model, groups, prices)
+    layout = layout if groups is not None and layout is not None else layout_of(model, groups, prices)
     spend = plan_budget(budget, prices, share, shown=budget_text, layout=layout)
     gains = gains or plan_gains(model, batches, prices, criterion, model_path=model_path, double_quant=double_quant,
                                 progress=progress, dtype=dtype)
