@@ -82,6 +82,17 @@ def check_rungs(rungs: dict[str, str]) -> None:
         raise ValueError(f"unknown rung(s) {bad}: each is one of {known}")
 
 
+def _dual_path_rungs(rungs: dict[str, str] | None) -> dict[str, str]:
+    """``rungs`` as a dict, each a rung the dual path's recovery weights hold (:data:`DUAL_PATH_RUNGS`)."""
+    rungs = dict(rungs or {})
+    check_rungs(rungs)
+    other = {n: r for n, r in rungs.items() if r not in DUAL_PATH_RUNGS}
+    if other:
+        raise ValueError(f"rung(s) {other} have no recovery path: the dual path recovers on "
+                         f"{' or '.join(DUAL_PATH_RUNGS)} (gnmr_hf.load_planned loads a plan with any registered rung)")
+    return rungs
+
+
 STORAGES = ("host", "device", "disk")
 
 MERGE_REFUSED = (
@@ -389,9 +400,8 @@ def attach_recovery(
         dtype: the floating-point dtype the recovery weights are kept and computed in.
         check_source: compare every layer's de-quantised low-cost weight with its recovery tensor and
             refuse a checkpoint the model was not loaded from (see the module docstring); False skips it.
-        rungs: full linear name (``model.layers.0.self_attn.v_proj``) -> ``"bf16"`` (the default for every
-            layer) or ``"int8"``: that layer's recovery path is the INT8 rung (:class:`Int8RecoveryWeight`,
-            resident, whatever ``storage`` says), e.g. the ``rungs`` of a precision-ladder plan.
+        rungs: full linear name -> ``"bf16"`` (every layer's default) or ``"int8"`` (its recovery path the INT8
+            rung, :class:`Int8RecoveryWeight`, resident whatever ``storage`` says): a precision-ladder plan's.
         int8_threshold: ``Linear8bitLt``'s outlier threshold for the INT8 rungs (transformers' default 6.0).
 
     Raises:
@@ -432,12 +442,7 @@ def attach_recovery(
             f"no bitsandbytes {layer_type.__name__} module inside the units: nothing to give a recovery path "
             "(were the decoder layers skipped by llm_int8_skip_modules?)"
         )
-    rungs = dict(rungs or {})
-    check_rungs(rungs)
-    other = {n: r for n, r in rungs.items() if r not in DUAL_PATH_RUNGS}
-    if other:
-        raise ValueError(f"rung(s) {other} have no recovery path: the dual path recovers on "
-                         f"{' or '.join(DUAL_PATH_RUNGS)} (gnmr_hf.load_planned loads a plan with any registered rung)")
+    rungs = _dual_path_rungs(rungs)
     unknown = sorted(set(rungs) - {name for _, name, _ in plan})
     if unknown:
         raise ValueError(f"{len(unknown)} rung name(s) are not quantised linears inside the units, e.g. {unknown[0]!r}")
