@@ -219,3 +219,58 @@ def test_profile_int4_writes_make_plans_plan(tiny_llama_dir, tmp_path, groups):
     if groups == "vllm":
         assert split_groups(written.rungs, layout_of(model, "vllm", plan_prices(model, ("int8", "bf16"), "int4",
                                                                                  group_size=32))) == []
+
+
+# ------------------------------------------------ behaviour kept: the published budgets choose the same linears
+
+
+def _removed_planner_budget(scores, sizes, prices, budget):
+    """The recipes' former rule (``planner_budget``, removed with make_plan): the largest BF16-bytes budget whose
+    greedy set by score per BF16 byte costs at most ``budget`` served."""
+    from gnmr_hf.planning.planner import greedy_select
+
+    b = min(sum(sizes), int(budget * max(s / p for s, p in zip(sizes, prices))))
+    while b > 0:
+        chosen = greedy_select(scores, sizes, b)
+        if sum(prices[i] for i in chosen) <= budget:
+            return b
+        b = sum(sizes[i] for i in chosen) - 1
+    return 0
+
+
+@pytest.mark.parametrize("alias, profile", [("smollm2-135m-instruct", "qlora_budget"),
+                                            ("smollm2-135m-instruct", "qlora_smollm2_pydocs"),
+                                            ("gemma3-270m", "qlora_gemma_pydocs")])
+def test_the_published_budgets_choose_what_the_former_rules_chose(alias, profile):
+    """On the committed first-order profiles of the real models (bench/results), make_plan's greedy in the served
+    currency chooses the linears both former BF16-bytes rules chose: the recipes' (the largest BF16 budget whose
+    set fits) and gnmr-hf profile's (the served budget times the smallest BF16 bytes per served byte)."""
+    import json
+
+    from gnmr_hf.offline.gguf_models import resolve_model
+    from gnmr_hf.planning.budget import _meta_model, over_low_prices, rung_price, served_budget
+    from gnmr_hf.planning.planner import greedy_select
+
+    try:
+        model_path = resolve_model(alias)
+    except FileNotFoundError as e:
+        pytest.skip(f"{alias} is not converted here: {e}")
+    data = json.loads((ROOT / "bench" / "results" / profile / "profile.json").read_text())
+    names = ["model." + u["name"] for u in data["units"]]
+    scores, sizes = [u["score"] for u in data["units"]], [u["bytes"] for u in data["units"]]
+    mods = dict(_meta_model(model_path).named_modules())
+    rows = [mods[n].weight.shape[0] for n in names]
+    prices = [rung_price(s // 2, r, "bf16", "nf4") for s, r in zip(sizes, rows)]
+    low_bytes = over_low_prices(model_path, names, "nf4")["low_model_bytes"]
+    pp = PlanPrices(names, {n: (r, s // 2 // r) for n, r, s in zip(names, rows, sizes)},
+                    {n: {"bf16": p} for n, p in zip(names, prices)}, "nf4", low_bytes, ("bf16",))
+    pg = PlanGains([LadderUnit(n, s // 2, r, gains={"bf16": g}, prices={"bf16": p})
+                    for n, s, r, g, p in zip(names, sizes, rows, scores, prices)], "first_order", 2, 0)
+    for text in ("10%", "+5%nf4", "+10%nf4", "+25%nf4"):
+        budget = served_budget(text, low_bytes, sum(prices))
+        new = {names.index(n) for n in make_plan(None, [], text, ("bf16",), prices=pp, gains=pg).rungs}
+        recipe = set(greedy_select(scores, sizes, _removed_planner_budget(scores, sizes, prices, budget)))
+        # gnmr-hf profile's former rule: a share of the BF16 bytes, or the served budget times the smallest ratio
+        cli = set(greedy_select(scores, sizes, int(0.10 * sum(sizes)) if text == "10%"
+                                else int(budget * min(s / p for s, p in zip(sizes, prices)))))
+        assert new and new == recipe == cli, text
