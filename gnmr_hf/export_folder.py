@@ -49,14 +49,13 @@ class ExportError(ValueError):
 def plan_file(plan: str | os.PathLike) -> Path:
     """A plan given to an export: a ``profile.json``, or the folder holding one; one ``ExportError`` line when
     there is none."""
-    from gnmr_hf.planning.plan import PLAN_FILE, PlanError
+    from gnmr_hf.planning.plan import PlanError
     from gnmr_hf.planning.plan import plan_file as _plan_file
 
     try:
-        return _plan_file(plan)  # a folder means DIR/profile.json, as every plan reader says
-    except PlanError:
-        path = Path(plan) / PLAN_FILE if Path(plan).is_dir() else Path(plan)
-        raise ExportError(f"{path}: no such profile.json (gnmr-hf profile --budget ... --output DIR writes it)") from None
+        return _plan_file(plan)  # a folder means DIR/profile.json: the rule lives in gnmr_hf.planning.plan
+    except PlanError as e:
+        raise ExportError(f"no such profile.json: {e}") from None
 
 
 def check_model_folder(model_path: Path) -> dict[str, Any]:

@@ -156,6 +156,18 @@ def test_a_toy_rung_and_format_plan_train_export_and_reload(toy, tiny_llama_dir,
         assert torch.equal(saved[f"{n}.codes"], codes) and torch.equal(saved[f"{n}.scale"], scale)
         assert f"{n}.weight" not in saved
     assert Plan.load(out / "plan.json").rungs == chosen
+    # reload: the folder is the whole model (every other tensor in it, strict), the planned linears de-quantised
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.bfloat16)
+    state = {k: v for k, v in saved.items() if not k.endswith((".codes", ".scale"))}
+    state.update({f"{n}.weight": (saved[f"{n}.codes"].float() * saved[f"{n}.scale"].float()).to(torch.bfloat16)
+                  for n in chosen})
+    reloaded.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        for n in chosen:  # the merged model with the toy rung's fake quantisation on the planned linears
+            dict(merged.named_parameters())[f"{n}.weight"].copy_(toy_fake_quant(dict(merged.named_parameters())[f"{n}.weight"]))
+        assert torch.equal(reloaded(input_ids=ids).logits, merged(input_ids=ids).logits)
 
 
 def test_a_registered_format_is_offered_and_an_unknown_rung_refused(toy, tmp_path):

@@ -441,7 +441,7 @@ def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.Pat
             if any(w is None for w in ws):
                 gone = next(n for n, w in zip(u["modules"], ws) if w is None)
                 raise ValueError(other.format(f"it profiled {gone!r}, which the model has no linear for"))
-            held = sum(2 * w.numel() for w in ws)
+            held = sum(get_rung("bf16").bytes(w.numel(), w.shape[0]).total for w in ws)
             if held != u["bytes"]:
                 raise ValueError(other.format(f"unit {u.get('name')} is {u['bytes']} B (BF16) in the plan, {held} B in "
                                               "the model"))
