@@ -313,8 +313,6 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     from compressed_tensors.quantization import apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    low = [n for n in linears if rungs.get(n, "low") == "low"]
-    int8 = [n for n in linears if rungs.get(n) == "int8"]
     # the plan's own compressed-tensors config (gnmr_hf.planning.Plan.ct_config)
     # (a BF16 plan's skip list may name modules that are no decoder linear, lm_head: unquantised anyway)
     planned = {n: r for n, r in rungs.items() if n in set(linears)}
@@ -324,8 +322,9 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     if groups:
         apply_quantization_config(model, config, show_progress=False)
     modules = dict(model.named_modules())
+    quantised = [n for n in linears if getattr(modules[n], "quantization_scheme", None) is not None]
     with torch.no_grad():
-        for name in low + int8:
+        for name in quantised:  # every scheme the config attached (W4A16, W8A16: each rung's own entry)
             m = modules[name]
             args = m.quantization_scheme.weights
             w = m.weight  # (out, in), BF16

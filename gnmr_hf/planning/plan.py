@@ -216,14 +216,16 @@ class Plan:
         if other:
             raise PlanError(f"{self.source or 'the plan'} puts linears on {', '.join(other)}, which compressed-tensors "
                             "has no scheme for (the rung registers none)")
-        low = [n for n in linears if n not in self.rungs]
-        int8 = [n for n in linears if self.rungs.get(n) == "int8"]
-        groups = {}
-        if low:
-            groups["group_0"] = QuantizationScheme(targets=low, weights=ct_weight_args("low", gs))
-        if int8:
-            groups[f"group_{len(groups)}"] = QuantizationScheme(targets=int8, weights=ct_weight_args("int8", gs))
-        ignore = ["lm_head"] + [n for n in linears if self.rungs.get(n) == "bf16"]
+        # each linear's scheme: the low format's (W4A16) unless planned, else its rung's compressed-tensors entry
+        # (gnmr_hf.rungs: INT8 "W8A16", BF16 "ignore"); one config group per scheme, W4A16 first
+        by_scheme: dict[str, list[str]] = {}
+        for n in linears:
+            scheme = get_rung(self.rungs[n]).exports["compressed-tensors"] if n in self.rungs else "W4A16"
+            by_scheme.setdefault(scheme, []).append(n)
+        ignore = ["lm_head"] + by_scheme.pop("ignore", [])
+        order = sorted(by_scheme, key=lambda k: (k != "W4A16", k))
+        groups = {f"group_{i}": QuantizationScheme(targets=by_scheme[k], weights=ct_weight_args(k, gs))
+                  for i, k in enumerate(order)}
         return QuantizationConfig(config_groups=groups, ignore=ignore) if groups else None
 
     def _require_bnb(self, what: str) -> None:
@@ -323,15 +325,20 @@ class Plan:
         return plan
 
 
-def ct_weight_args(rung: str, group_size: int):
-    """compressed-tensors' ``QuantizationArgs`` of a rung's weights: ``"low"`` is W4A16 (vLLM's preset, its group
-    size set), ``"int8"`` W8A16 per output channel, symmetric."""
+def ct_weight_args(scheme: str, group_size: int):
+    """compressed-tensors' ``QuantizationArgs`` of a scheme's weights (a rung's ``exports["compressed-tensors"]``
+    entry; ``"low"`` and ``"int8"`` name the stock two): ``"W4A16"`` (``"low"``) is vLLM's preset, its group size
+    set, ``"W8A16"`` (``"int8"``) INT8 per output channel, symmetric; another scheme name is vLLM's preset of that
+    name (``preset_name_to_scheme``)."""
     from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
 
-    if rung == "int8":
+    scheme = {"low": "W4A16", "int8": "W8A16"}.get(scheme, scheme)
+    if scheme == "W8A16":
         return QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
-    args = preset_name_to_scheme("W4A16", ["Linear"]).weights
-    return args if args.group_size == group_size else args.model_copy(update={"group_size": group_size})
+    args = preset_name_to_scheme(scheme, ["Linear"]).weights
+    if scheme != "W4A16" or args.group_size == group_size:
+        return args
+    return args.model_copy(update={"group_size": group_size})
 
 
 # ------------------------------------------------------------------------------------------- schemas
