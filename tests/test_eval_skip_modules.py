@@ -158,3 +158,17 @@ def test_eval_cli_with_the_profile_folder(tiny3, tmp_path, capsys):
                  "--tasks", "wikitext"]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if "gnmr-hf" in line]
     assert len(err) == 1 and "keep no linear" in err[0] and "'nothing.here'" in err[0]
+
+
+def test_a_saved_plan_gives_its_skip_list_and_a_ladder_plan_none(tmp_path):
+    # read_skip_modules reads plans through Plan.load: a file Plan.save wrote (schema 1) gives Plan.skip_modules()
+    from gnmr_hf.evaluation.evaluate import EvalError, read_skip_modules
+    from gnmr_hf.planning.plan import Plan
+
+    bf16 = Plan(rungs=dict.fromkeys(PLANNED, "bf16"), keep_modules=["lm_head"])
+    bf16.save(tmp_path / "bf16.json")
+    assert read_skip_modules(str(tmp_path / "bf16.json")) == bf16.skip_modules() == ["lm_head", *PLANNED]
+    ladder = Plan(rungs={PLANNED[0]: "int8", PLANNED[1]: "bf16"}, rung_set=("int8", "bf16"))
+    ladder.save(tmp_path / "ladder.json")
+    with pytest.raises(EvalError, match=rf"precision-ladder plan with 1 INT8 linears \(e\.g\. {PLANNED[0]}\)"):
+        read_skip_modules(str(tmp_path / "ladder.json"))
