@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gnmr_hf.planning.profile_format import check_profile_dict
 from gnmr_hf.rungs import get_rung, planned_rungs
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
@@ -433,10 +434,8 @@ def _from_profile(data: dict[str, Any], where: str, rung_set: Sequence[str] | No
         chosen["writer"] = "an early bench profile"
         return _build(where, rungs={}, low=_opt_str(data.get("low")) or "nf4", planned=False,
                       chosen_by={k: v for k, v in chosen.items() if v is not None})
-    from gnmr_hf.planning.results import SensitivityProfile
-
     try:
-        SensitivityProfile.from_dict(data)  # one line naming a bad field
+        check_profile_dict(data)  # one line naming a bad field
     except ValueError as e:
         skips = data.get("skip_modules")
         if set(data) == {"skip_modules"} and isinstance(skips, list) and skips and all(isinstance(n, str) for n in skips):
