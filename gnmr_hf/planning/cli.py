@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", default="host", choices=("host", "device", "disk"),
                    help="where the BF16 recovery weights live during profiling (default host)")
     p.add_argument("--recipe", default=None, help="the recipe YAML whose data and LoRA settings to use "
-                   "(default: recipes/smollm2-135m/<low>.yaml)")
+                   "(default: the model's own recipes/<model>/<low>.yaml for an alias, else recipes/smollm2-135m's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-plot", action="store_true", help="do not write profile.png")
     p.add_argument("--groups", default=None, choices=("vllm", "none"),
@@ -119,6 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+#: an alias's own recipes folder: the default data is what that model's recipes train on
+_RECIPE_FOLDERS = {"smollm2-135m-instruct": "smollm2-135m", "gemma3-270m": "gemma3-270m"}
+
+
+def _default_recipe(folder: Path, args: argparse.Namespace) -> Path:
+    """``recipes/<the model's folder>/<low>.yaml`` when the model is an alias with one (its data, templates and
+    batch size: what its recipes train on), else the SmolLM2 recipe's."""
+    name = "int8.yaml" if args.low == "int8" else "nf4.yaml"
+    own = folder / _RECIPE_FOLDERS.get(args.model, "smollm2-135m") / name
+    return own if own.is_file() else folder / "smollm2-135m" / name
+
+
 def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
     """The recipe's configuration (its data, templates, batch size and LoRA), read by :mod:`gnmr_hf.recipe` as
     ``recipes/finetune.py`` reads it. The default generated training set is written under ``scratch`` (a
@@ -126,8 +138,7 @@ def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
     from gnmr_hf.recipe import RecipeError, load_config, recipes_folder
 
     try:
-        recipe_file = Path(args.recipe) if args.recipe else (
-            recipes_folder() / "smollm2-135m" / ("int8.yaml" if args.low == "int8" else "nf4.yaml"))
+        recipe_file = Path(args.recipe) if args.recipe else _default_recipe(recipes_folder(), args)
     except RecipeError as e:
         raise ProfileError(str(e)) from None
     if not recipe_file.is_file():

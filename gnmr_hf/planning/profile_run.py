@@ -120,8 +120,10 @@ class _Plans:
 
     def points(self, main_budget: int, groups) -> list[tuple[Plan, PrecisionPlan]]:
         """The plan at each price point that buys something, and the main one, by budget."""
+        from tqdm.auto import tqdm
+
         out = []
-        for f in PRICE_POINTS:
+        for f in tqdm(PRICE_POINTS, desc="plans", disable=self.args.quiet):
             b = int(f * self.prices.dearest)
             if b == main_budget:
                 continue
@@ -218,7 +220,7 @@ def run_bnb(args: argparse.Namespace, model_path: Path, recipe, batches, heldout
     grouping = _print_plans(args, prof, plans, chosen, layout, no_layout, floors)
     ladder_rows = _ladder(args, model_path, batches, dtype)
     _write(args, out, model_path, prof, name, main_plan, main_view, [v for _, v in chosen], grouping, ladder_rows,
-           prices, started)
+           prices, started, floors)
     return 0
 
 
@@ -227,8 +229,10 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
     record for profile.json."""
     rows, grouping = [], None
     if layout is not None:
+        from tqdm.auto import tqdm
+
         grouping = {"groups": "vllm", "plans": []}
-        for plan, view in chosen:
+        for plan, view in tqdm(chosen, desc="grouped plans" if not args.groups else "free plans", disable=args.quiet):
             other = None if args.groups else "vllm"
             try:
                 pair = [(plan, view), plans.make(plan.budget_bytes, other, plan.budget)]
@@ -280,12 +284,34 @@ def _ladder(args, model_path: Path, batches, dtype) -> dict[str, Any] | None:
     return rows
 
 
+def summary(plan: Plan, view: PrecisionPlan, floors: dict[str, float]) -> str:
+    """The plan written, in the one currency: its linears, its price and budget over the all-low model as served,
+    what its recovery path holds while profiling, its predicted gain and its measured gap closed (held-out
+    first; ``noise`` as in the table)."""
+    low_bytes, lo = plan.chosen_by["low_model_bytes"], plan.low.upper()
+    lines = [f"the plan written ({plan.describe()}, by {plan.chosen_by['criterion']}): {len(plan.rungs)} linear(s) "
+             f"on BF16, +{100 * plan.price_bytes / low_bytes:.2f} % over the all-{lo} model as served "
+             f"({plan.price_bytes / 2**20:.2f} MiB; budget {plan.budget} = +{100 * plan.budget_bytes / low_bytes:.2f} "
+             f"%), predicted gain {plan.chosen_by['predicted_gain']:.4g}"]
+    if view.held_bytes is not None:
+        lines.append(f"  held on the profiled model's recovery path: {view.held_bytes / 2**20:.2f} MiB")
+    for where in ("heldout", "profile"):
+        m = view.measured.get(where)
+        if m:
+            label = "held-out" if where == "heldout" else "the profile batches (in-sample)"
+            lines.append(f"  measured on {label}: L_low {m['loss_low']:.4f}, L_plan {m['loss_plan']:.4f}, L_high "
+                         f"{m['loss_high']:.4f}, gap closed {_gap(view, where, floors.get(where, 0.0))}")
+    if view.names:
+        lines.append("  linears: " + ", ".join(view.names))
+    return "\n".join(lines)
+
+
 def _write(args, out: Path, model_path: Path, prof, name, main_plan: Plan, main_view: PrecisionPlan, views,
-           grouping, ladder_rows, prices: PlanPrices, started: float) -> None:
+           grouping, ladder_rows, prices: PlanPrices, started: float, floors: dict[str, float]) -> None:
     from gnmr_hf.planning.budget import over_low_prices
 
     print()
-    print(main_view.summary())
+    print(summary(main_plan, main_view, floors))
     skips = main_view.skip_modules()
     units_json = [{"index": u.index, "name": u.name, "bytes": u.bytes, "score": u.scores[name],
                    "modules": u.modules, "layer": u.layer, "op": u.op, "scores": u.scores} for u in prof.units]
