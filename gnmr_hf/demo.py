@@ -85,9 +85,9 @@ DEMO_MODEL = "smollm2-135m-instruct"  # the recipes' `model:` (recipes/smollm2-1
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 # the demo's size (docs/recipes.md, "Measured"). The int8 / nf4 trios: 60 steps of 2 problems (the recipes' 60 of
 # 4 halved) and 24 documents per eval task (three batches of 8). The default comparison trains five runs in the
-# same 12 minutes: 30 steps of 2 problems, 8 documents per eval task (one batch), and the held-out loss on 32
+# same 12 minutes: 24 steps of 2 problems, 8 documents per eval task (one batch), and the held-out loss on 32
 # GSM8K test problems (disjoint from the training ones), which is where the runs differ
-MAX_STEPS = {"ladder": 30, "int8": 60, "nf4": 60}
+MAX_STEPS = {"ladder": 24, "int8": 60, "nf4": 60}
 TRAIN_BATCH_SIZE = 2
 EVAL_LIMIT = {"ladder": 8, "int8": 24, "nf4": 24}
 EVAL_BATCH_SIZE = 8
@@ -337,13 +337,17 @@ def comparison_rows(out: Path, precisions: list[str], evals: dict[str, dict[str,
         record = json.loads((out / p / "run.json").read_text())
         summary = (record.get("gnmr_summary") or {}).get("summary") or {}
         steps = record["global_step"]
+        loop = record.get("train_runtime_s")  # the Trainer's loop: no load, profile or init
+        plan = (record.get("profile") or {}).get("plan") or {}
+        setup = [plan.get("profile_seconds"), (record.get("calibrated_init") or {}).get("seconds")]
         rows.append({
             "run": p,
             "steps": steps,
             "first_loss": record["first_loss"],
             "final_loss": record["final_loss"],
             "wall_time_s": record["wall_time_s"],
-            "step_time_s": record["wall_time_s"] / steps if steps else None,
+            "step_time_s": loop / steps if steps and loop is not None else None,
+            "setup_s": sum(x for x in setup if x) if any(x is not None for x in setup) else None,
             "peak_memory_mib": record["peak_memory_bytes"] / 2**20,
             "promotion_ratio": summary.get("promotion_ratio"),
             "compute_dtype": (record.get("config") or {}).get("script", {}).get("compute_dtype"),
@@ -360,7 +364,8 @@ def format_comparison(rows: list[dict[str, Any]], memory_kind: str) -> str:
     """The comparison as a Markdown table; the held-out columns (loss, gap closed, served weights, over NF4)
     where any row has a held-out loss."""
     with_heldout = any(r.get("heldout_loss") is not None for r in rows)
-    header = ["run", "steps", "loss first -> last", "wall time (s)", "step time (s)", f"peak mem (MiB, {memory_kind})"]
+    header = ["run", "steps", "loss first -> last", "wall time (s)", "step time (s)", "profile + init (s)",
+              f"peak mem (MiB, {memory_kind})"]
     if with_heldout:
         header += ["held-out loss", "gap closed", "served weights (MiB)", "over NF4 (%)"]
     header += ["GSM8K EM strict (%)", "GSM8K EM flexible (%)", "MMLU acc (%)", "HellaSwag acc (%)",
@@ -372,7 +377,7 @@ def format_comparison(rows: list[dict[str, Any]], memory_kind: str) -> str:
 
         loss = "-" if r.get("final_loss") is None else f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}"
         cells = [r["run"], _fmt(r.get("steps"), "d"), loss, _fmt(r.get("wall_time_s"), ".0f"),
-                 _fmt(r.get("step_time_s"), ".2f"), _fmt(r.get("peak_memory_mib"), ".0f")]
+                 _fmt(r.get("step_time_s"), ".2f"), _fmt(r.get("setup_s"), ".0f"), _fmt(r.get("peak_memory_mib"), ".0f")]
         if with_heldout:
             w = r.get("weights_bytes")
             cells += [_fmt(r.get("heldout_loss"), ".4f"), _fmt(r.get("gap_closed"), ".3f"),
@@ -541,13 +546,19 @@ def plot_value(rows: list[dict[str, Any]], path: Path) -> Path:
     pts = [r for r in rows if r.get("heldout_loss") is not None and r.get("over_nf4") is not None
            and not r["run"].startswith("base")]
     fig, (ax_l, ax_g) = plt.subplots(1, 2, figsize=(12, 4.8))
+    placed: dict[tuple[int, str], int] = {}  # runs at one point (nf4 and a gnmr-nf4 that promoted nothing): stacked
+
+    def label(ax, x: float, y: float, text: str, which: str) -> None:
+        k = placed.get((round(x), f"{which}{y:.3f}"), 0)
+        placed[(round(x), f"{which}{y:.3f}")] = k + 1
+        ax.scatter([x], [y])
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4 + 10 * k), fontsize=8)
+
     for r in pts:
         x = 100 * r["over_nf4"]
-        ax_l.scatter([x], [r["heldout_loss"]])
-        ax_l.annotate(r["run"], (x, r["heldout_loss"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        label(ax_l, x, r["heldout_loss"], r["run"], "loss")
         if r.get("gap_closed") is not None:
-            ax_g.scatter([x], [r["gap_closed"]])
-            ax_g.annotate(r["run"], (x, r["gap_closed"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            label(ax_g, x, r["gap_closed"], r["run"], "gap")
     by = {r["run"]: r for r in pts}
     for name, style in (("nf4", ":"), ("bf16", "--")):
         if name in by:
@@ -834,7 +845,7 @@ def _run(args: argparse.Namespace) -> int:
     plots = [plot_loss_curves({p: out / p for p in precisions}, out / f"loss_curves{suffix}.png",
                               title=f"SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems "
                                     f"(BF16 vs {low})")]
-    if any(r.get("heldout_loss") is not None for r in rows):
+    if any(r.get("heldout_loss") is not None and r.get("over_nf4") is not None for r in rows):  # with an nf4 run
         plots.append(plot_value(rows, out / f"heldout{suffix}.png"))
     for p in precisions:
         if p in GNMR_PRECISIONS:

@@ -63,20 +63,20 @@ def test_comparison_table_rows():
     rows = [{"run": "base (no fine-tune)", "gsm8k_em": 0.0, "gsm8k_em_flexible": 0.125, "mmlu_acc": None,
              "hellaswag_acc": 0.25, "wikitext_word_ppl": 31.4159},
             {"run": "gnmr-nf4", "steps": 60, "first_loss": 1.5, "final_loss": 0.25, "wall_time_s": 300.4,
-             "step_time_s": 5.0067, "peak_memory_mib": 1800.2, "promotion_ratio": 0.0421, "gsm8k_em": 0.3,
+             "step_time_s": 5.0067, "setup_s": 12.4, "peak_memory_mib": 1800.2, "promotion_ratio": 0.0421, "gsm8k_em": 0.3,
              "gsm8k_em_flexible": 0.35, "mmlu_acc": 0.5, "hellaswag_acc": 0.3, "wikitext_word_ppl": 30.0}]
     lines = demo.format_comparison(rows, "RSS").splitlines()
-    assert lines[0].startswith("| run | steps | loss first -> last | wall time (s) | step time (s) | peak mem (MiB, RSS) "
-                               "| GSM8K EM strict (%) |")  # no held-out loss anywhere: no held-out columns
-    assert lines[2] == "| base (no fine-tune) | - | - | - | - | - | 0.00 | 12.50 | - | 25.00 | 31.416 | - |"
-    assert lines[3] == ("| gnmr-nf4 | 60 | 1.500 -> 0.250 | 300 | 5.01 | 1800 | 30.00 | 35.00 | 50.00 | 30.00 "
+    assert lines[0].startswith("| run | steps | loss first -> last | wall time (s) | step time (s) | profile + init (s) "
+                               "| peak mem (MiB, RSS) | GSM8K EM strict (%) |")  # no held-out loss: no held-out columns
+    assert lines[2] == "| base (no fine-tune) | - | - | - | - | - | - | 0.00 | 12.50 | - | 25.00 | 31.416 | - |"
+    assert lines[3] == ("| gnmr-nf4 | 60 | 1.500 -> 0.250 | 300 | 5.01 | 12 | 1800 | 30.00 | 35.00 | 50.00 | 30.00 "
                         "| 30.000 | 0.0421 |")
     rows[1].update(heldout_loss=0.61234, gap_closed=0.25, weights_bytes=3 * 2**20, over_nf4=0.0412)
     lines = demo.format_comparison(rows, "RSS").splitlines()
     assert "| peak mem (MiB, RSS) | held-out loss | gap closed | served weights (MiB) | over NF4 (%) | GSM8K" in lines[0]
-    assert lines[3].startswith("| gnmr-nf4 | 60 | 1.500 -> 0.250 | 300 | 5.01 | 1800 | 0.6123 | 0.250 | 3.0 | +4.1 "
+    assert lines[3].startswith("| gnmr-nf4 | 60 | 1.500 -> 0.250 | 300 | 5.01 | 12 | 1800 | 0.6123 | 0.250 | 3.0 | +4.1 "
                                "| 30.00 |")
-    assert lines[2].startswith("| base (no fine-tune) | - | - | - | - | - | - | - | - | - | 0.00 |")
+    assert lines[2].startswith("| base (no fine-tune) | - | - | - | - | - | - | - | - | - | - | 0.00 |")
 
 
 def test_gap_closed_against_the_nf4_and_bf16_rows():
@@ -276,7 +276,7 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", interrupted)
     args = ["--out", str(out), "--precisions", "bf16", "--max-steps", "1", "--compute-dtype", "float32",
-            "--tasks", "wikitext,hellaswag", "--eval-limit", "1", "--threads", "1"]
+            "--tasks", "wikitext,hellaswag", "--eval-limit", "1", "--threads", "1", "--heldout", "2"]
     assert demo.main(args) == 130
     assert "rerun the same command to continue" in capsys.readouterr().err
     assert (out / "eval" / "base" / "wikitext.json").is_file()
@@ -293,6 +293,13 @@ def test_demo_resumes_an_evaluation_interrupted_in_its_second_task(tmp_path, mon
     rows = {r["run"]: r for r in json.loads((out / "summary.json").read_text())}
     assert rows["base (no fine-tune)"]["hellaswag_acc"] is not None and rows["bf16"]["wikitext_word_ppl"] > 1
     assert rows["bf16"]["eval_compute_dtype"] == "float32"
+    # the held-out loss, scored before the interruption and read back: the untrained adapter (LoRA B = 0) adds
+    # exactly nothing in FP32, so it is the base's; no nf4 run, so no gap closed
+    assert "held-out bf16" in [p["phase"] for p in timings]
+    held = json.loads((out / "heldout" / "bf16.json").read_text())
+    assert held["settings"]["problems"] == 2 and held["tokens"] > 10 and held["served_on"] == "bf16"
+    assert rows["bf16"]["heldout_loss"] == rows["base (no fine-tune)"]["heldout_loss"] == held["loss"] > 0
+    assert rows["bf16"]["gap_closed"] is None and rows["bf16"]["over_nf4"] is None
 
     # a third run scores nothing; retraining an adapter (a newer run.json) drops its old scores
     calls.clear()
