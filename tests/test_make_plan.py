@@ -131,33 +131,34 @@ def _recipe(finetune, out, budget, groups, ladder=False):
         "--compute_dtype", "float32", "--per_device_train_batch_size", "2", "--disable_tqdm", "true"]))
 
 
-@pytest.mark.parametrize("groups", ["null", "vllm"])
-def test_profile_and_recipe_choose_the_same_bf16_plan(tiny_llama_dir, tmp_path, groups):
+def test_profile_and_recipe_choose_the_same_bf16_plan(tiny_llama_dir, tmp_path):
     pytest.importorskip("bitsandbytes")
+    from gnmr_hf.planning.groups import split_groups
     from gnmr_hf.planning.profile_run import _Plans, _priced, load_dual
     from gnmr_hf.planning.profiler import profile_sensitivity
     from gnmr_hf.recipe_plan import bf16_policy
 
     finetune = _finetune()
     batches, budget = _batches(), "+20%nf4"
-    recipe = _recipe(finetune, tmp_path / "run", budget, groups)
-    model = finetune.load_model(recipe, str(tiny_llama_dir))
-    _, record = bf16_policy(recipe, model, batches, str(tiny_llama_dir))
     # gnmr-hf profile's own path: its load, prices, profile and plans (profile_run), on the same batches
-    args = argparse.Namespace(low="nf4", budget=budget, groups=None if groups == "null" else groups, storage="host")
+    args = argparse.Namespace(low="nf4", budget=budget, groups=None, storage="host")
     cli_model = load_dual(args, Path(tiny_llama_dir), torch.float32)
     prices, served, layout, _ = _priced(args, cli_model, Path(tiny_llama_dir))
     prof = profile_sensitivity(cli_model, batches, criteria=("first_order",))
     plans = _Plans(args, cli_model, Path(tiny_llama_dir), prof, "first_order", prices, batches, [])
-    plan, _ = plans.make(served, args.groups, budget)
-    assert plan.rungs and sorted(plan.rungs) == sorted(record["modules"])
-    assert (plan.budget_bytes, plan.price_bytes) == (record["budget_bytes"], record["price_over_nf4_bytes"])
-    assert plan.groups == record["groups"] == args.groups
-    if groups == "vllm":  # the grouped plan never splits a serving group, and differs from the free one
-        from gnmr_hf.planning.groups import split_groups
-
-        assert split_groups(plan.rungs, layout) == []
-        assert plans.make(served, None)[0].rungs != plan.rungs
+    model = None
+    chosen = {}
+    for groups in ("null", "vllm"):
+        recipe = _recipe(finetune, tmp_path / groups, budget, groups)
+        model = model or finetune.load_model(recipe, str(tiny_llama_dir))  # a BF16 plan leaves the model as it is
+        _, record = bf16_policy(recipe, model, batches, str(tiny_llama_dir))
+        plan, _ = plans.make(served, None if groups == "null" else groups, budget)
+        assert plan.rungs and sorted(plan.rungs) == sorted(record["modules"]), groups
+        assert (plan.budget_bytes, plan.price_bytes) == (record["budget_bytes"], record["price_over_nf4_bytes"])
+        assert plan.groups == record["groups"] == (None if groups == "null" else groups)
+        chosen[groups] = plan.rungs
+    # the grouped plan never splits a serving group, and differs from the free one
+    assert split_groups(chosen["vllm"], layout) == [] and chosen["vllm"] != chosen["null"]
 
 
 def test_profile_and_recipe_choose_the_same_ladder_plan(tiny_llama_dir, tmp_path):
@@ -238,6 +239,7 @@ def _removed_planner_budget(scores, sizes, prices, budget):
     return 0
 
 
+@pytest.mark.slow  # the real models' configs (a GGUF conversion on a fresh machine), as tests/conftest.py says
 @pytest.mark.parametrize("alias, profile", [("smollm2-135m-instruct", "qlora_budget"),
                                             ("smollm2-135m-instruct", "qlora_smollm2_pydocs"),
                                             ("gemma3-270m", "qlora_gemma_pydocs")])
