@@ -265,6 +265,17 @@ def run(recipe: Recipe, extra_callbacks: list | None = None) -> dict[str, Any]:
     else:
         trainer.save_model(args.output_dir)  # a PeftModel saves just the adapter
     trainer.save_state()  # trainer_state.json: the loss log the demo plots
+    return write_run_record(recipe, trainer, tokenizer, model_path, train_ds, result, train_seconds, text_summary,
+                            planned, loftq, calibrated)
+
+
+def write_run_record(recipe: Recipe, trainer, tokenizer, model_path: str, train_ds, result, train_seconds: float,
+                     text_summary, planned, loftq, calibrated) -> dict[str, Any]:
+    """run.json: the configuration, versions, wall time, peak memory, losses, the plan and the GNMR summary,
+    written last on the main process (it marks a complete run); returns it ({} on the other ranks)."""
+    import torch
+
+    script, args = recipe.script, recipe.training
     record: dict[str, Any] = {}
     if trainer.is_world_process_zero():
         from gnmr_hf.export_folder import model_name
