@@ -186,3 +186,20 @@ def test_a_registered_format_is_offered_and_an_unknown_rung_refused(toy, tmp_pat
         Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,)).ct_config(["model.layers.0.mlp.up_proj"])
     with pytest.raises(PlanError, match="on toy6 .*cannot hold"):
         Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,)).skip_modules()
+
+
+@pytest.mark.parametrize("rows, cols, group", [(576, 576, 64), (1536, 576, 64), (256, 512, 128)])
+def test_the_stock_rungs_bytes_are_the_formats_own(rows, cols, group):
+    """Each stock rung's bytes are what its format stores: the INT4 rung's what a compressed-tensors folder holds
+    for one W4A16 linear (gnmr_hf.planning.int4.ct_tensor_bytes, the export's own accounting, checked against the
+    written files in tests/test_export_ct.py), BF16's two bytes a weight, INT8's a byte a weight and an FP32 scale
+    a row (LLM.int8), NF4's half a byte a weight and an FP32 absmax per 64 (tests/test_memory.py measures them)."""
+    from gnmr_hf.planning.int4 import ct_tensor_bytes
+
+    n = rows * cols
+    assert get_rung("int4").bytes(n, rows, group_size=group).total == ct_tensor_bytes({"w": (rows, cols, False)}, {}, 0,
+                                                                                      group)
+    assert get_rung("bf16").bytes(n, rows).total == ct_tensor_bytes({"w": (rows, cols, False)}, {"w": "bf16"}, 0) == 2 * n
+    assert get_rung("int8").bytes(n, rows) == LinearBytes(n, 4 * rows)
+    assert get_rung("nf4").bytes(n, rows) == get_rung("fp4").bytes(n, rows) == LinearBytes(n // 2, 4 * (n // 64) + 64)
+    assert planned_rungs() == ("int8", "bf16")  # the stock planned rungs, cheapest first
