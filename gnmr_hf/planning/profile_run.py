@@ -128,7 +128,7 @@ class _Plans:
             if b == main_budget:
                 continue
             try:
-                out.append(self.make(b, groups, f"{100 * f:g}%"))
+                out.append(self.make(b, groups, f"{100 * f:g} %"))
             except PlanError:  # a tiny model's smallest budgets buy no linear
                 continue
         out.append(self.make(main_budget, groups, self.args.budget))
@@ -247,7 +247,7 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
                                           "predicted_gap_closed": v.predicted_gap_closed, "measured": v.measured})
     else:
         rows = [("grouped (vllm)" if p.groups else "free", p, v) for p, v in chosen]
-    print(f"\nplans (chosen by {plans.gains.criterion} per byte as served; budget and price in memory over the all-"
+    print(f"\nprice table (plans chosen by {plans.gains.criterion} per byte as served; budget and price in memory over the all-"
           f"{args.low} model, {plans.prices.low_model_bytes / 2**20:.1f} MiB; gap closed = (L_low - L_plan) / "
           f"(L_low - L_high), held-out first, then in-sample on the {len(plans.batches)} profile batch(es) the plans "
           f"were chosen on; the plan written is the {'grouped' if args.groups else 'free'} one at {args.budget}):")
