@@ -92,10 +92,14 @@ def llamacpp_nll(venv: Path, gguf_file: Path, ids_file: Path, threads: int) -> d
 
 
 def transformers_nll(gguf_file: Path, blocks: list[list[int]]) -> dict[str, Any]:
+    """The NLL of ``blocks`` by transformers: a GGUF file through its GGUF loader, or a model folder as it is."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    if gguf_file.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(gguf_file, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     model.eval()
     total, count, start = 0.0, 0, time.time()
     with torch.no_grad():
@@ -159,6 +163,11 @@ def score(args) -> None:
     use_llamacpp = has_llama_cpp(Path(args.venv))
     if not use_llamacpp:
         log(f"{args.venv} has no llama_cpp (build-venv makes it): transformers' scores only")
+    if "checkpoint" not in doc["rows"]:  # the BF16 model folder the files were exported from, as it is
+        from gnmr_hf.offline.gguf_models import resolve_model
+
+        doc["rows"]["checkpoint"] = {"transformers": transformers_nll(Path(resolve_model(args.model)), blocks)}
+        log(f"checkpoint: NLL {doc['rows']['checkpoint']['transformers']['nll']:.4f}")
     for f in sorted(work.glob("*.gguf")):
         row = doc["rows"].get(f.name, {})
         row["bytes"] = f.stat().st_size
@@ -170,6 +179,30 @@ def score(args) -> None:
         out.write_text(json.dumps(doc, indent=1) + "\n")
         got = {k: round(v["nll"], 4) for k, v in row.items() if isinstance(v, dict)}
         log(f"{f.name}: {row['bytes']:,} bytes, NLL {got}")
+
+
+def compare(args) -> None:
+    """What differs between an export and a GGUF llama.cpp's converter wrote (metadata keys and values besides the
+    token arrays, tensor names and shapes)."""
+    import gguf
+
+    if args.reference is None:
+        from gnmr_hf.offline.gguf_models import gguf_path
+
+        args.reference = str(gguf_path(args.model, args.workdir))
+    a, b = gguf.GGUFReader(args.file), gguf.GGUFReader(args.reference)
+    skip = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+    print(f"{args.file} against {args.reference}")
+    print("  keys only in the export:", sorted(set(a.fields) - set(b.fields)))
+    print("  keys only in the reference:", sorted(set(b.fields) - set(a.fields)))
+    for k in sorted(set(a.fields) & set(b.fields)):
+        same = (a.fields[k].contents() == b.fields[k].contents()) if k not in skip else \
+            (len(a.fields[k].data) == len(b.fields[k].data) and a.fields[k].contents() == b.fields[k].contents())
+        if not k.startswith("GGUF.") and not same:
+            print(f"  {k}: {str(a.fields[k].contents())[:60]!r} | {str(b.fields[k].contents())[:60]!r}")
+    ta = {t.name: [int(x) for x in t.shape] for t in a.tensors}
+    tb = {t.name: [int(x) for x in t.shape] for t in b.tensors}
+    print(f"  tensors: {len(ta)} / {len(tb)}, same names {set(ta) == set(tb)}, same shapes {ta == tb}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--block", type=int, default=256)
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--source", default=PYDOCS)
+    c = sub.add_parser("compare", help="an export against the GGUF its offline model came from")
+    c.add_argument("file")
+    c.add_argument("--model", default=None, help="the offline alias whose source GGUF is the reference")
+    c.add_argument("--reference", default=None, help="or the reference GGUF itself")
+    c.add_argument("--workdir", default="/tmp", help="where a chunked source GGUF is assembled")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.step == "build-venv":
         return build_venv(Path(args.venv), args.jobs)
-    export(args) if args.step == "export" else score(args)
+    {"export": export, "score": score, "compare": compare}[args.step](args)
     return 0
 
 
