@@ -123,7 +123,7 @@ def _read_plan(plan: str | os.PathLike | Mapping[str, str] | None) -> tuple[dict
     if isinstance(plan, Mapping):
         return dict(plan), {}, None
     try:
-        loaded = Plan.load(plan)
+        loaded = Plan.load(plan).require_planned()  # a profile without a plan: refused (--uniform TYPE is that file)
     except (PlanError, ValueError) as e:
         raise ExportError(str(e)) from None
     return dict(loaded.rungs), dict(loaded.data), loaded.source

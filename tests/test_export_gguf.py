@@ -217,6 +217,20 @@ def test_gemma3_uniform_through_the_cli(gemma3, ids, tmp_path, capsys):
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
 
 
+def test_a_plan_file_exports_as_its_rungs_and_a_profile_without_plan_is_refused(llama, tmp_path):
+    from gnmr_hf.planning.plan import Plan
+
+    Plan(rungs=PLAN, rung_set=("int8", "bf16")).save(tmp_path / "plan")
+    (tmp_path / "out").mkdir()
+    s = export_gguf(str(llama), tmp_path / "plan", tmp_path / "out" / "p.gguf")  # the folder holding profile.json
+    assert s["linears_by_type"] == {"Q4_0": 9, "Q8_0": 3, "BF16": 2}
+    Plan(rungs={}, planned=False).save(tmp_path / "none")
+    (tmp_path / "none_out").mkdir()
+    with pytest.raises(ExportError, match="without a plan"):
+        export_gguf(str(llama), tmp_path / "none", tmp_path / "none_out" / "x.gguf")
+    assert list((tmp_path / "none_out").iterdir()) == []
+
+
 def fields_value(reader, key):
     return reader.fields[key].contents()
 
