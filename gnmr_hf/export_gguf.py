@@ -25,8 +25,8 @@ reference quantisers of ggml's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks). The res
 ``--uniform TYPE`` writes every decoder linear at ``TYPE`` by the same path (the baseline a plan is compared with).
 
 What the installed ``gguf`` cannot write is refused: the K-quants (``Q2_K`` .. ``Q6_K``) and i-quants (``IQ*``)
-have no quantiser in ``gguf.quants`` (they need llama.cpp's own ``llama-quantize``, which can re-quantise a BF16
-export of this module with ``--tensor-type`` overrides per tensor).
+have no quantiser in ``gguf.quants``: they need llama.cpp's own ``llama-quantize``, run on a BF16 export of this
+module.
 
 Refused in one line, before anything is written (:class:`gnmr_hf.export_folder.ExportError`): a type the
 installed ``gguf`` cannot quantise, an architecture this exporter does not know, a tensor whose row length is not
