@@ -135,8 +135,9 @@ def test_eval_refuses_an_unknown_name_in_one_line(fake_cache, capsys):
 @pytest.mark.parametrize("alias", ALIASES)
 def test_export_takes_every_alias(fake_cache, alias, tmp_path, monkeypatch):
     import gnmr_hf.export as export
+    import gnmr_hf.exports.bitsandbytes as bnb_format
 
-    monkeypatch.setattr(export, "export_planned", _stop)
+    monkeypatch.setattr(bnb_format, "export_planned", _stop)  # what the dispatcher's default format calls
     with pytest.raises(_Reached) as e:
         export.main(["--model", alias, "--plan", str(tmp_path / "profile.json"), "--output", str(tmp_path / "out")])
     assert Path(e.value.args[0]) == fake_cache / alias

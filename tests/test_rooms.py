@@ -30,7 +30,6 @@ LONG_FILES = {
 LONG_FUNCTIONS = {
     "gnmr_hf/demo.py::_run": 59,
     "gnmr_hf/planning/planner.py::plan": 59,
-    "recipes/finetune.py::run": 59,
 }
 
 # the parts of the package checked for import circles and function-local imports (the rest is still being
