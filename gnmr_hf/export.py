@@ -75,7 +75,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
-FORMATS = ("bitsandbytes", "compressed-tensors")
+FORMATS = ("bitsandbytes", "compressed-tensors", "gguf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "--plan prof/ --output smollm2-planned-nf4;  gnmr-hf export --model gemma3-270m "
                                        "--plan run/profile.json --adapter run/ --format compressed-tensors --output g-ct")
     p.add_argument("--model", required=True, help="the BF16 model folder (safetensors), or an offline alias")
-    p.add_argument("--plan", required=True, help="profile.json (or the folder holding it) from gnmr-hf profile --budget "
-                   "or a recipe (a ladder plan's rungs: --format compressed-tensors or --merge)")
+    p.add_argument("--plan", default=None, help="profile.json (or the folder holding it) from gnmr-hf profile --budget "
+                   "or a recipe (a ladder plan's rungs: --format compressed-tensors or --merge); required, except "
+                   "with --format gguf --uniform TYPE")
     p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty, or is "
                    "the model, adapter or profile folder, holds one, or is the current folder or a parent of it)")
     p.add_argument("--format", default="bitsandbytes", choices=format_names(), dest="fmt",
@@ -111,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                    "(any plan, the ladder included)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --output (only a folder gnmr-hf "
                    "export wrote: it holds .gnmr_export.json; replaced by rename, the old one removed last)")
+    p.add_argument("--low-type", default=None, help="gguf: the GGUF type of the linears the plan leaves low "
+                   "(default Q4_0; Q4_1, Q5_0, Q5_1, Q8_0, BF16)")
+    p.add_argument("--uniform", default=None, metavar="TYPE", help="gguf: every decoder linear at TYPE, no plan "
+                   "(the uniform baseline)")
     args = p.parse_args(argv)
     from gnmr_hf.offline.gguf_models import resolve_model
 
@@ -119,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     fmt = get_format(args.fmt)
+    if args.fmt != "gguf" and (args.low_type or args.uniform):
+        return fail(f"--{'low-type' if args.low_type else 'uniform'} is --format gguf's (GGUF types)")
+    if args.fmt != "gguf" and not args.plan:
+        return fail("--plan is required (a profile.json, or the folder holding it)")
     bad = fmt.check(args)
     if bad:
         return fail(bad)

@@ -146,7 +146,7 @@ PY_SCRIPTS = [p for p in scripts() if p.suffix == ".py" and _has_cli(p)]
 
 def test_the_python_scripts_with_a_command_line_are_found():
     assert len(PY_SCRIPTS) >= 24
-    assert {p.parent.name for p in PY_SCRIPTS} == {"value", "cost", "stress", "gpu"}
+    assert {p.parent.name for p in PY_SCRIPTS} == {"value", "cost", "stress", "gpu", "serve"}
 
 
 _STARTER = r"""

@@ -264,3 +264,33 @@ def test_bad_input_is_refused_in_one_line_before_anything_is_written(llama, adap
     assert "down_proj" in msg
     # an adapter of another model (Gemma3's layers are not this LLaMA's shapes)
     _refused(t("adapter"), "adapter", str(gemma3), None, uniform="Q8_0", adapter=adapter)
+
+
+def test_gnmr_hf_export_format_gguf_is_the_library_call_and_refuses_other_formats_options(llama, tmp_path, capsys):
+    from gnmr_hf.export import main as export_main
+    from gnmr_hf.planning.plan import Plan
+
+    Plan(rungs=PLAN, rung_set=("int8", "bf16")).save(tmp_path / "plan")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert export_main(["--model", str(llama), "--plan", str(tmp_path / "plan"), "--format", "gguf",
+                        "--output", str(tmp_path / "a" / "p.gguf")]) == 0
+    line = capsys.readouterr().out
+    assert "GGUF" in line and "Q4_0 9" in line and "Q8_0 3" in line and "BF16 2" in line
+    export_gguf(str(llama), tmp_path / "plan", tmp_path / "b" / "p.gguf")
+    assert (tmp_path / "a" / "p.gguf").read_bytes() == (tmp_path / "b" / "p.gguf").read_bytes()
+    assert export_main(["--model", str(llama), "--format", "gguf", "--uniform", "Q8_0",
+                        "--output", str(tmp_path / "a" / "u.gguf")]) == 0
+    assert "Q8_0 14" in capsys.readouterr().out
+    for extra, says in ((["--quant", "int8"], "--low-type"), (["--group-size", "64"], "block"),
+                        (["--uniform", "Q8_0"], "not both"), (["--merge"], "merges --adapter")):
+        assert export_main(["--model", str(llama), "--plan", str(tmp_path / "plan"), "--format", "gguf",
+                            "--output", str(tmp_path / "a" / "x.gguf"), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert export_main(["--model", str(llama), "--format", "gguf", "--output", str(tmp_path / "a" / "x.gguf")]) == 2
+    assert "--uniform TYPE" in capsys.readouterr().err
+    assert export_main(["--model", str(llama), "--plan", str(tmp_path / "plan"), "--uniform", "Q8_0",
+                        "--output", str(tmp_path / "c")]) == 2  # the bitsandbytes format has no GGUF types
+    assert "--format gguf's" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "x.gguf").exists() and not (tmp_path / "c").exists()

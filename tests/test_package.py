@@ -273,10 +273,9 @@ LAYERS = {
     # the entry points' argument checks before torch / transformers: the alias resolver's cheap half, the budget parser
     "preflight": {"offline", "memory"},
     "rungs": {"rungs"},  # the rung registry: one file per precision (bytes, fake quantisation, module, exports)
-    # the export dispatcher: one file per format (bitsandbytes, compressed-tensors) and the model card
-    "exports": {"exports", "export_folder", "export_ct", "planning", "memory", "offline", "rungs", "strict_json"},
-    # the export dispatcher: one file per format (bitsandbytes, compressed-tensors) and the model card
-    "exports": {"exports", "export_folder", "export_ct", "planning", "memory", "offline", "rungs", "strict_json"},
+    # the export dispatcher: one file per format (bitsandbytes, compressed-tensors, gguf) and the model card
+    "exports": {"exports", "export_folder", "export_ct", "export_gguf", "planning", "memory", "offline", "rungs",
+                "strict_json"},
     "strict_json": set(),  # the one reader of plan / profile JSON files (a key named twice is refused)
 }
 

@@ -8,6 +8,8 @@ file                       format
 ``bitsandbytes.py``        ``bitsandbytes`` (the default): pre-quantised NF4 / FP4 / INT8 with the plan's BF16
                            linears in ``llm_int8_skip_modules`` (:func:`~gnmr_hf.exports.bitsandbytes.export_planned`)
 ``compressed_tensors.py``  ``compressed-tensors``: W4A16 / W8A16 / BF16 per linear (:mod:`gnmr_hf.export_ct`)
+``gguf.py``                ``gguf``: one GGUF file for llama.cpp, each linear at its rung's GGUF type
+                           (:mod:`gnmr_hf.export_gguf`)
 ``card.py``                the bitsandbytes folder's model card (``README.md``) and the pieces any card shares
 =========================  =====================================================================================
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gnmr_hf.export_folder import ExportError, OutputFolderError
-from gnmr_hf.exports import bitsandbytes, compressed_tensors  # the stock formats (registered below)
+from gnmr_hf.exports import bitsandbytes, compressed_tensors, gguf  # the stock formats (registered below)
 
 
 def _no_check(args: Any) -> str | None:
@@ -89,10 +91,14 @@ def _register_stock() -> None:
         "compressed-tensors", compressed_tensors.run, compressed_tensors.describe, compressed_tensors.check_options,
         help="W4A16 / W8A16 / BF16 per linear (the ladder), stock from_pretrained and vLLM (the serve extra)",
         errors=(ExportError, OutputFolderError, FileNotFoundError, ImportError)))
+    register_format(ExportFormat(
+        "gguf", gguf.run, gguf.describe, gguf.check_options,
+        help="one GGUF file for llama.cpp: Q4_0 (--low-type) / Q8_0 / BF16 per linear, or --uniform TYPE",
+        errors=(ExportError, FileNotFoundError)))
 
 
 #: the formats this package registers
-STOCK = ("bitsandbytes", "compressed-tensors")
+STOCK = ("bitsandbytes", "compressed-tensors", "gguf")
 _register_stock()
 
 __all__ = ["STOCK", "ExportFormat", "format_names", "get_format", "register_format", "unregister_format"]
