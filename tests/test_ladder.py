@@ -268,6 +268,12 @@ def test_ladder_table_on_a_tiny_model(tiny_llama_dir, ids):
     text = ladder.format_ladder_table(table)
     assert text.splitlines()[0].startswith("| memory over NF4 | rungs |") and "-0.0000" not in text
     assert len(text.splitlines()) == 2 + 6
+    # a gap within the data's noise: no ratio printed (each row says so), the losses still are
+    gap = abs(table["loss_low"] - table["loss_high"])
+    quiet = ladder.format_ladder_table(table, floor=gap * 1.01)
+    rows = [ln.strip("|").split("|") for ln in quiet.splitlines()[2:]]
+    assert [c.strip() for *_, c in rows] == ["noise"] * 6 and f"{table['rows'][0]['loss']:.4f}" in quiet
+    assert "noise" not in ladder.format_ladder_table(table, floor=gap * 0.99)
 
 
 def test_ladder_table_loads_a_repeated_plan_once(tiny_llama_dir, ids, monkeypatch):

@@ -97,12 +97,12 @@ def test_gnmr_hf_profile_draws_plans_and_ladder_at_the_printed_memory_over_nf4(t
 
     # the BF16-only plans: where the price table puts them
     lines = stdout.splitlines()
-    head = next(i for i, ln in enumerate(lines) if ln.startswith("| budget | criterion |"))
-    table = "\n".join(lines[head:head + 2] + [ln for ln in lines[head + 2:] if re.match(r"\| [\d.]+ % \| first_order \|", ln)])
-    printed = _table_column(table, "memory over NF4")
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| budget | plan |"))
+    table = "\n".join(lines[head:head + 2] + [ln for ln in lines[head + 2:] if re.match(r"\| \S+ %? ?\| free \|", ln)])
+    printed = _table_column(table, "memory over NF4 (plan)")
     xs = list(_line(ax, "measured (profile)").get_xdata())[1:-1]
     assert len(printed) == len(saved["price"]) == len(xs) >= 2
-    assert [f"+{x:.1f} %" for x in xs] == printed
+    assert [f"+{x:.2f} %" for x in xs] == printed
     # the budget +25%nf4: its plan is drawn at most 25 % over the NF4 model (the other points are 5/10/25 % of
     # the BF16 bytes: the last one costs more)
     budget_plan = sorted(saved["price"], key=lambda p: p["bytes"]).index(

@@ -562,12 +562,15 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
     return {"low": low, "low_model_bytes": low_bytes, "loss_low": l_low, "loss_high": l_high, "rows": rows}
 
 
-def format_ladder_table(table: dict[str, Any]) -> str:
+def format_ladder_table(table: dict[str, Any], floor: float = 0.0) -> str:
+    """The ladder's rows in markdown; ``floor``: the smallest ``|L_low - L_high|`` (nats) a gap-closed ratio is
+    printed over (below it each row's gap closed reads ``noise``: the denominator is within the data's noise)."""
     low = table["low"].upper()
+    noisy = abs(table["loss_low"] - table["loss_high"]) < floor
     lines = [f"| memory over {low} | rungs | INT8 linears | BF16 linears | served over {low} (MiB) | "
              "predicted gain | loss | gap closed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in table["rows"]:
-        gap = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.3f}"
+        gap = "-" if r["gap_closed"] is None else "noise" if noisy else f"{r['gap_closed']:.3f}"
         gain = f"{r['predicted_gain']:.4f}".replace("-0.0000", "0.0000")  # no -0.0000
         lines.append(f"| +{100 * r['memory_over_low']:g} % | {r['rungs']} | {r['int8']} | {r['bf16']} | "
                      f"{r['price_bytes'] / 2**20:.2f} | {gain} | {r['loss']:.4f} | {gap} |")

@@ -114,6 +114,8 @@ class _Plans:
         plan = make_plan(self.model, self.batches, budget, ("bf16",), groups, self.gains.criterion, low=self.args.low,
                          model_path=self.model_path, prices=self.prices, gains=self.gains, budget_text=text)
         view = precision_plan(plan, self.prof, self.model, self.batches)
+        # the plan's price as the table prints it (memory over the all-low model as served): the picture's x
+        view.over_low_pct = 100 * plan.price_bytes / plan.chosen_by["low_model_bytes"]
         if self.heldout:
             view.measured["heldout"] = measure_plan(self.model, view.indices, self.heldout, reference=self.ref)
         return plan, view
@@ -277,7 +279,13 @@ def _ladder(args, model_path: Path, batches, dtype) -> dict[str, Any] | None:
     print(f"ladder price table (gap closed on the profile batches, in-sample; L_low {rows['loss_low']:.4f}, "
           f"L_high {rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact bytes with BF16 "
           "rungs in BF16):")
-    print(format_ladder_table(rows))
+    floor = noise_floor(int(sum(int((b["labels"] != -100).sum()) for b in batches))) if batches and "labels" in batches[0] \
+        else 0.0
+    print(format_ladder_table(rows, floor))
+    if abs(rows["loss_low"] - rows["loss_high"]) < floor:
+        print(f"[profile] the ladder's gap closed is not printed: L_low - L_high = "
+              f"{rows['loss_low'] - rows['loss_high']:.4f} nats, below 1/sqrt(target tokens) = {floor:.4f} (--data "
+              "FILE, more --batches)")
     if args.groups:
         print("(the ladder's rows are free plans; a grouped ladder: make_plan(..., rungs=('int8', 'bf16'), "
               "groups='vllm') or a recipe's profile.rungs with profile.groups: vllm)")

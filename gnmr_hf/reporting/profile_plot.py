@@ -44,7 +44,8 @@ def plot_profile(profile: Any, plans: Sequence[Any], path: str | os.PathLike,
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.1]})
     ordered = sorted(plans, key=lambda p: p.bytes)
     if over_low is not None:
-        xs = [0.0] + [memory_over_low_pct(p.bytes, over_low) for p in ordered] + [
+        xs = [0.0] + [p.over_low_pct if getattr(p, "over_low_pct", None) is not None  # the plan's exact price
+                      else memory_over_low_pct(p.bytes, over_low) for p in ordered] + [
             memory_over_low_pct(profile.total_bytes, over_low)]
         low = str(over_low.get("low", "low")).upper()
         xlabel = f"memory over the {low} model, % (what the plan adds to the served model)"
