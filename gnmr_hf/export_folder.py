@@ -15,7 +15,9 @@ before anything is loaded or written (:func:`check_output`, one-line :class:`Out
 The folder is built beside the target (:func:`staged_output`: a hidden temporary folder in the same parent)
 and moved into place by rename: the old export renamed aside, the new one renamed in, the old one removed
 last. An exception while writing (a full disk, Ctrl-C) removes the temporary folder and leaves the old
-export as it was; at no point is anything deleted before the new folder is complete.
+export as it was; at no point is anything deleted before the new folder is complete. The folder and its files
+get the modes the umask gives new ones (0755 / 0644 under the usual 022), so a server running as another user
+reads them: the temporary folder is private and transformers writes ``model.safetensors`` 0600.
 
 Both exports also check their inputs the same way (:func:`check_sources`): the plan against the model, as
 ``load_planned`` and ``gnmr-hf eval --plan`` check it (the ``model_identity`` it records, else the shapes of its
@@ -223,6 +225,22 @@ def _install(new: Path, out: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _readable(folder: Path) -> None:
+    """Every file and folder under ``folder`` at the modes the umask gives a new one: transformers' save_pretrained
+    writes ``model.safetensors`` private (0600 under any umask), and an export is read by servers that may run as
+    another user."""
+    mask = _umask()
+    for f in folder.rglob("*"):
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
+
+
 @contextmanager
 def staged_output(out: Path, marker: dict[str, Any]) -> Iterator[Path]:
     """A temporary folder beside ``out`` (checked by :func:`check_output`) to write the export into.
@@ -233,11 +251,15 @@ def staged_output(out: Path, marker: dict[str, Any]) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{out.name}-new-", dir=out.parent))
     try:
+        # mkdtemp makes the folder private (0700); the export is for a server that may run as another user:
+        # the mode a plain mkdir gives (as save_pretrained leaves its folder)
+        os.chmod(new, 0o777 & ~_umask())
         yield new
         if out.is_dir() and any(out.iterdir()) and read_marker(out) is None:  # filled since check_output
             raise OutputFolderError(f"output folder {out} was filled while the export ran and is not an export: "
                                     "left as it is")
         files = _files(new)
+        _readable(new)
         (new / MARKER).write_text(json.dumps({**marker, "written_by": _WRITTEN_BY, "files": files}, indent=1) + "\n")
         _install(new, out)
     finally:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,14 @@ def test_an_output_under_a_file_or_a_file_is_refused_in_one_line(ws, capsys):
 
 def test_force_replaces_an_earlier_export_by_rename_and_touches_nothing_else(ws, monkeypatch):
     w, out = ws["w"], ws["w"] / "exp"
-    export.export_planned(ws["model"], ws["prof"], out, target="transformers")  # NF4
+    old_mask = os.umask(0o022)  # a server's user other than the exporter's reads the folder (mkdtemp made it 0700)
+    try:
+        export.export_planned(ws["model"], ws["prof"], out, target="transformers")  # NF4
+    finally:
+        os.umask(old_mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    private = [str(f.relative_to(out)) for f in out.rglob("*") if stat.S_IMODE(f.stat().st_mode) & 0o044 != 0o044]
+    assert private == []
     marker = json.loads((out / MARKER).read_text())
     assert marker["kind"] == "nf4" and sorted(marker["files"]) == sorted(
         str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != MARKER)
