@@ -149,38 +149,19 @@ class GapProbe:
 
 
 def heldout_loss(model, tokenizer, problems: list[dict[str, str]], script, batch_size: int = 8) -> float:
-    """Mean loss per response token over ``problems``, tokenised and padded as the recipe trains
-    (``finetune.tokenize_dataset``: prompt tokens masked; the Trainer's collator)."""
-    import datasets
-    from transformers import DataCollatorForSeq2Seq
+    """Mean loss per response token over ``problems``, tokenised and padded as the recipe trains: the demo's
+    :func:`gnmr_hf.demo.heldout_loss` (prompt tokens masked; the Trainer's collator)."""
+    from gnmr_hf.demo import heldout_loss as demo_heldout_loss
 
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import finetune
-
-    rows = finetune.tokenize_dataset(script, datasets.Dataset.from_list(problems), tokenizer)
-    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    return token_loss(model, (collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))])
-                              for i in range(0, len(rows), batch_size)))
+    return demo_heldout_loss(model, tokenizer, script, problems, batch_size)[0]
 
 
 def token_loss(model, batches) -> float:
-    """Mean loss per target token over collated ``batches`` (``labels`` -100 where not scored): the sum of
-    every batch's shifted cross-entropy over the count of scored targets, so batches weigh by their tokens."""
-    import torch
+    """Mean loss per target token over collated ``batches`` (``labels`` -100 where not scored):
+    :func:`gnmr_hf.demo.token_loss`, so batches weigh by their tokens."""
+    from gnmr_hf.demo import token_loss as demo_token_loss
 
-    total, count = 0.0, 0
-    model.eval()
-    for batch in batches:
-        batch = dict(batch)
-        labels = batch.pop("labels")
-        with torch.no_grad():
-            logits = model(**batch).logits.float()
-        shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
-        loss = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                                 shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
-        total += float(loss)
-        count += int((shift_labels != -100).sum())
-    return total / count
+    return demo_token_loss(model, batches)[0]
 
 
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
