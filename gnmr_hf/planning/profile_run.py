@@ -220,7 +220,7 @@ def run_bnb(args: argparse.Namespace, model_path: Path, recipe, batches, heldout
     print()
     print(prof.cost_table())
     grouping = _print_plans(args, prof, plans, chosen, layout, no_layout, floors)
-    ladder_rows = _ladder(args, model_path, batches, dtype)
+    ladder_rows = _ladder(args, model_path, batches, dtype, floors["profile"])
     _write(args, out, model_path, prof, name, main_plan, main_view, [v for _, v in chosen], grouping, ladder_rows,
            prices, started, floors)
     return 0
@@ -262,7 +262,7 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
     return grouping
 
 
-def _ladder(args, model_path: Path, batches, dtype) -> dict[str, Any] | None:
+def _ladder(args, model_path: Path, batches, dtype, floor: float) -> dict[str, Any] | None:
     if args.low == "int8" or args.no_ladder:
         return None
     from gnmr_hf.memory import parse_memory_budget
@@ -279,9 +279,7 @@ def _ladder(args, model_path: Path, batches, dtype) -> dict[str, Any] | None:
     print(f"ladder price table (gap closed on the profile batches, in-sample; L_low {rows['loss_low']:.4f}, "
           f"L_high {rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact bytes with BF16 "
           "rungs in BF16):")
-    floor = noise_floor(int(sum(int((b["labels"] != -100).sum()) for b in batches))) if batches and "labels" in batches[0] \
-        else 0.0
-    print(format_ladder_table(rows, floor))
+    print(format_ladder_table(rows, floor))  # floor: the profile batches' noise floor
     if abs(rows["loss_low"] - rows["loss_high"]) < floor:
         print(f"[profile] the ladder's gap closed is not printed: L_low - L_high = "
               f"{rows['loss_low'] - rows['loss_high']:.4f} nats, below 1/sqrt(target tokens) = {floor:.4f} (--data "
