@@ -233,11 +233,11 @@ def _umask() -> int:
 
 
 def _readable(folder: Path) -> None:
-    """Every file and folder under ``folder`` at the modes the umask gives a new one: transformers' save_pretrained
-    writes ``model.safetensors`` private (0600 under any umask), and an export is read by servers that may run as
-    another user."""
+    """``folder`` and everything under it at the modes the umask gives a new one: mkdtemp makes ``folder`` private
+    (0700), transformers' save_pretrained writes ``model.safetensors`` private (0600 under any umask), and an export
+    is read by servers that may run as another user."""
     mask = _umask()
-    for f in folder.rglob("*"):
+    for f in [folder, *folder.rglob("*")]:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
 
 
@@ -251,9 +251,6 @@ def staged_output(out: Path, marker: dict[str, Any]) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{out.name}-new-", dir=out.parent))
     try:
-        # mkdtemp makes the folder private (0700); the export is for a server that may run as another user:
-        # the mode a plain mkdir gives (as save_pretrained leaves its folder)
-        os.chmod(new, 0o777 & ~_umask())
         yield new
         if out.is_dir() and any(out.iterdir()) and read_marker(out) is None:  # filled since check_output
             raise OutputFolderError(f"output folder {out} was filled while the export ran and is not an export: "
