@@ -276,28 +276,77 @@ def test_ladder_table_on_a_tiny_model(tiny_llama_dir, ids):
     assert "noise" not in ladder.format_ladder_table(table, floor=gap * 0.99)
 
 
-def test_ladder_table_loads_a_repeated_plan_once(tiny_llama_dir, ids, monkeypatch):
-    """A row whose plan equals an earlier row's (here: the same rung set twice at one budget) is not loaded
-    again; its figures are the earlier row's, which a fresh load of that plan reproduces exactly."""
-    batch = {"input_ids": ids, "labels": ids}
-    loads = []
-    real = ladder.load_planned
+def _captured_stock(monkeypatch) -> list:
+    """The table's one stock load, captured, with its modules as they were when loaded."""
+    seen = []
+    real = ladder._stock_low
 
-    def counting(path, chosen, *a, **k):
-        loads.append(dict(chosen))
-        return real(path, chosen, *a, **k)
+    def capturing(*a, **k):
+        model = real(*a, **k)
+        seen.append((model, dict(model.named_modules())))
+        return model
 
-    monkeypatch.setattr(ladder, "load_planned", counting)
-    table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.float32, points=(0.10,),
-                                rung_sets=(("int8",), ("int8",), ("bf16",)))
-    a, b, c = table["rows"]
-    assert a["rung_of"] == b["rung_of"] != c["rung_of"] and a["rung_of"]
-    # one load per distinct plan (beside the all-NF4 reference, an empty plan)
-    assert [x for x in loads if x] == [a["rung_of"], c["rung_of"]]
-    assert (a["loss"], a["gap_closed"], a["held_bytes"]) == (b["loss"], b["gap_closed"], b["held_bytes"])
-    mixed = real(tiny_llama_dir, a["rung_of"], "nf4", dtype=torch.float32, compute_dtype=torch.float32)
+    monkeypatch.setattr(ladder, "_stock_low", capturing)
+    return seen
+
+
+def _loaded_loss(path, rungs, batches, dtype):
+    """A row measured the old way: the plan loaded from the checkpoint (load_planned), then its loss."""
+    mixed = ladder.load_planned(path, rungs, "nf4", dtype=dtype, compute_dtype=dtype)
     ladder._reference_layout(mixed)
-    assert ladder._loss(mixed.eval(), [batch]) == b["loss"]  # what a load of the repeated plan measures
+    return mixed.eval(), ladder._loss(mixed.eval(), batches)
+
+
+def test_ladder_table_swaps_each_plan_into_one_load(tiny_llama_dir, ids, monkeypatch):
+    """One model load for the whole table; each row's loss is what a load of its plan (load_planned) measures,
+    L_high what a plain BF16 load measures; the rows differ (the swap happened) and the model is its own after."""
+    from transformers import AutoModelForCausalLM
+
+    batch = {"input_ids": ids, "labels": ids}
+    loads, swaps = [], []
+    real_load, real_swap = AutoModelForCausalLM.from_pretrained, ladder.swap_rungs
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(ladder, "swap_rungs", lambda m, w, r, *a, **k: swaps.append(dict(r)) or real_swap(m, w, r, *a, **k))
+    stock = _captured_stock(monkeypatch)
+    table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.float32, points=(0.10, 0.25),
+                                rung_sets=(("bf16",), ("int8",), ("int8",), ("int8", "bf16")), progress=False)
+    assert len(loads) == 1 and len(stock) == 1  # the old table loaded 2 + one per distinct plan
+    monkeypatch.undo()
+    rows = table["rows"]
+    plans = {tuple(sorted(r["rung_of"].items())): r for r in rows}
+    # each distinct plan swapped in once (after the all-BF16 reference); a repeated plan takes the earlier figures
+    assert [tuple(sorted(s.items())) for s in swaps[1:]] == list(plans) and len(plans) < len(rows)
+    assert set(swaps[0]) == set(ladder.decoder_low_linears(stock[0][0])) and set(swaps[0].values()) == {"bf16"}
+    assert rows[1]["rung_of"] == rows[2]["rung_of"] and rows[1]["loss"] == rows[2]["loss"]
+    # the rows' losses against a load of each plan (the old per-row path), and L_high against a plain BF16 load
+    for key, row in plans.items():
+        assert {r for _, r in key} <= {"int8", "bf16"} and key
+        _, want = _loaded_loss(tiny_llama_dir, dict(key), [batch], torch.float32)
+        assert row["loss"] == pytest.approx(want, rel=1e-6, abs=0)
+    high = ladder._loss(ladder._all_bf16(tiny_llama_dir, torch.float32), [batch])
+    assert table["loss_high"] == pytest.approx(high, rel=1e-6, abs=0)
+    # the swaps changed what was measured: every plan's loss differs from L_low, L_high and the other plans'
+    losses = [r["loss"] for r in plans.values()]
+    assert len(set(losses)) == len(losses) and not {table["loss_low"], table["loss_high"]} & set(losses)
+    assert any(r["int8"] for r in plans.values()) and any(r["bf16"] for r in plans.values())
+    # restored: the loaded model holds its own modules again and measures L_low as at the start
+    model, modules = stock[0]
+    assert all(a is b for (_, a), (_, b) in zip(model.named_modules(), modules.items(), strict=True))
+    assert ladder._loss(model, [batch]) == table["loss_low"]
+
+
+def test_ladder_table_held_bytes_are_a_loaded_plans(tiny_llama_dir, ids):
+    """In BF16 the table states what each plan holds over the all-NF4 model: the same bytes a load of the plan
+    holds over a load of the all-NF4 model, and the same loss."""
+    batch = {"input_ids": ids, "labels": ids}
+    table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.bfloat16, points=(0.25,),
+                                rung_sets=(("int8", "bf16"),), progress=False)
+    (row,) = table["rows"]
+    assert row["int8"] and row["bf16"]
+    mixed, loss = _loaded_loss(tiny_llama_dir, row["rung_of"], [batch], torch.bfloat16)
+    low = ladder._stock_low(tiny_llama_dir, "nf4", torch.bfloat16)
+    assert row["held_bytes"] == memory.model_bytes(mixed)["total"] - memory.model_bytes(low)["total"] > 0
+    assert row["loss"] == pytest.approx(loss, rel=1e-6, abs=0) and row["loss"] != table["loss_low"]
 
 
 def test_rung_gains_form_logits_only_at_target_positions(tiny_llama_dir, ids, monkeypatch):

@@ -32,10 +32,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
 from gnmr_hf.backends.recovery import LADDER_SERVING, RUNGS, check_rungs, int8_linear  # noqa: F401
+from gnmr_hf.memory import model_bytes
+from gnmr_hf.planning.budget import over_low_prices
+from gnmr_hf.planning.groups import ServingGroup, expand_rungs, grouped_ladder_units
 from gnmr_hf.planning.passes import _loss as _batch_loss
 from gnmr_hf.planning.plan import Plan, recorded_identity
+from gnmr_hf.planning.profiler import identity_mismatch
+from gnmr_hf.planning.rung_swap import CheckpointLinears as _CheckpointLinears
+from gnmr_hf.planning.rung_swap import rung_module, swap_rungs
 from gnmr_hf.rungs import get_rung, planned_rungs
+from gnmr_hf.units import find_decoder_layers
 
 
 @dataclass
@@ -61,43 +71,16 @@ def decoder_low_linears(model) -> list[str]:
             if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) and ".layers." in n]
 
 
-class _CheckpointLinears:
-    """Where each linear's checkpoint weight lies (file and key, read from the safetensors headers), so that the
-    weights are read one at a time, when needed (``self[name]``), instead of all held at once."""
-
-    def __init__(self, model_path: str | os.PathLike, names: list[str]):
-        from safetensors import safe_open
-
-        wanted = {f"{n}.weight": n for n in names}
-        self.where: dict[str, tuple[str, str]] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for f in sorted(Path(model_path).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as fh:
-                for k in fh.keys():
-                    if k in wanted:
-                        self.where[wanted[k]] = (str(f), k)
-                        self.shapes[wanted[k]] = tuple(fh.get_slice(k).get_shape())
-        missing = sorted(set(names) - set(self.where))
-        if missing:
-            raise ValueError(f"{model_path} has no weight for {len(missing)} linear(s), e.g. {missing[0]}: "
-                             "another checkpoint than the model's?")
-
-    def __getitem__(self, name: str):
-        from safetensors import safe_open
-
-        f, k = self.where[name]
-        with safe_open(f, "pt") as fh:
-            return fh.get_tensor(k)
-
-
 def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", double_quant: bool = False,
-               int8_threshold: float = 6.0, rungs: tuple[str, ...] | None = None) -> list[LadderUnit]:
+               int8_threshold: float = 6.0, rungs: tuple[str, ...] | None = None,
+               progress: bool = False) -> list[LadderUnit]:
     """Every decoder linear's first-order gain on each rung (see the module docstring).
 
     ``model`` is the stock-loaded low model (``BitsAndBytesConfig(load_in_4bit=True, ...)``), ``model_path``
     its BF16 checkpoint, ``batches`` dicts with ``input_ids`` and ``labels`` (any mapping). ``rungs``: the
     rungs to score (default the stock :data:`RUNGS`; any registered planned rung, :mod:`gnmr_hf.rungs`: its
     output is its ``module``'s over the checkpoint weight, or the linear over its ``fake_quant`` weight).
+    ``progress``: a bar with one tick per batch.
 
     Memory: the forward keeps only each linear's input (which a LoRA training step saves too); the linear's
     low-path output and its rungs' outputs are computed again from it when its output gradient arrives, one
@@ -106,8 +89,6 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
     same tensors), without holding two output-sized differences per linear for the whole backward, nor every
     linear's BF16 and INT8 weights for the whole call.
     """
-    import torch
-
     names = decoder_low_linears(model)
     if not names:
         raise ValueError("rung_gains needs a bitsandbytes-quantised model: no 4-bit/8-bit linear in its decoder layers")
@@ -166,7 +147,7 @@ def rung_gains(model, model_path: str | os.PathLike, batches, low: str = "nf4", 
         for p, _ in flags:
             p.requires_grad_(False)
         with torch.enable_grad():
-            for b in batches:
+            for b in tqdm(batches, desc="ladder gains", disable=not progress):
                 b = dict(b)
                 # the loss without the batch's full-vocabulary logits (the profile's own, passes._loss): the
                 # hooks sit on the decoder linears, which the decoder-only forward runs all the same
@@ -219,8 +200,6 @@ def choose_rungs(units: list[LadderUnit], budget: int, rungs: tuple[str, ...] = 
     ``{linear: rung}``. ``units`` must be exactly the groups' linears.
     """
     if groups is not None:
-        from gnmr_hf.planning.groups import ServingGroup, expand_rungs, grouped_ladder_units
-
         if isinstance(groups, str) or not all(isinstance(g, ServingGroup) for g in groups):
             given = repr(groups) if isinstance(groups, str) else f"a {type(groups).__name__} of other things"
             raise ValueError(f"choose_rungs(groups=...) takes the model's serving groups (gnmr_hf.planning.groups."
@@ -321,7 +300,6 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
             decoder layers (``lm_head``: training puts only those on a rung), a plan file that is not one, or
             one made for another model (all before any load).
     """
-    import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if low not in LOW_PATHS:
@@ -354,21 +332,16 @@ def load_planned(model_path: str | os.PathLike, rungs: dict[str, str] | str | os
         raise ValueError(f"{len(missing)} planned name(s) are not linears of {model_path}, e.g. {missing[0]}")
     # every rung with a module of its own (INT8, a registered one) is swapped in over the checkpoint weight;
     # BF16 stays the checkpoint's nn.Linear (in the skip list)
-    swapped = {n: get_rung(r) for n, r in rungs.items() if get_rung(r).module is not None}
+    swapped = {n: r for n, r in rungs.items() if get_rung(r).module is not None}
     weights = _CheckpointLinears(model_path, sorted(swapped))
-    for name, rung in swapped.items():
+    for name, rung in swapped.items():  # the module the ladder table swaps in for the rung (rung_swap.rung_module)
         parent_name, _, child = name.rpartition(".")
-        old = modules[name]
-        new = rung.module(weights[name].to(device=old.weight.device), int8_threshold=int8_threshold).train(old.training)
-        if old.bias is not None:
-            new.bias = torch.nn.Parameter(old.bias.detach().clone(), requires_grad=False)
-        setattr(modules[parent_name], child, new)
+        setattr(modules[parent_name], child, rung_module(modules[name], rung, weights[name], dtype, int8_threshold))
     return model
 
 
 def _meta_model(model_path: str | os.PathLike):
     """``model_path``'s architecture on the meta device (shapes only, nothing read but config.json)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
@@ -378,10 +351,6 @@ def _meta_model(model_path: str | os.PathLike):
 
 def _check_decoder_linears(model_path: str | os.PathLike, rungs: dict[str, str]) -> None:
     """Every planned name must be a linear inside the decoder layers of ``model_path``'s architecture."""
-    import torch
-
-    from gnmr_hf.units import find_decoder_layers
-
     meta = _meta_model(model_path)
     modules = dict(meta.named_modules())
     missing = [n for n in rungs if not isinstance(modules.get(n), torch.nn.Linear)]
@@ -409,8 +378,6 @@ def _check_same_model(path: Path, data: dict[str, Any], model_path: str | os.Pat
     units it records (a ladder plan's ``numel`` / ``rows``, a profile's BF16 ``bytes`` per unit). ``fix``: what
     the one-line ``ValueError`` tells the user to do (the exports check with it too:
     :func:`gnmr_hf.export_folder.check_sources`)."""
-    from gnmr_hf.planning.profiler import identity_mismatch
-
     other = f"{path} was made for another model than {model_path}: {{}} ({fix})"
     recorded = recorded_identity(data)
     if recorded is not None:
@@ -483,8 +450,6 @@ def _reference_layout(model) -> None:
 
 def _loss(model, batches) -> float:
     """Token-weighted mean loss over ``batches`` (the labels' non-ignored shifted targets)."""
-    import torch
-
     total, count = 0.0, 0
     with torch.no_grad():
         for b in batches:
@@ -498,31 +463,38 @@ def _loss(model, batches) -> float:
 def ladder_table(model_path, batches, low: str = "nf4", dtype=None, points=MEMORY_POINTS,
                  rung_sets=RUNG_SETS, double_quant: bool = False, progress: bool = True) -> dict[str, Any]:
     """At each budget of memory over the all-``low`` model, the plan of each rung set (BF16 only, INT8
-    only, the ladder), its first-order predicted gain and its measured loss on ``batches`` (each plan
-    loaded with :func:`load_planned`; a plan equal to an earlier row's is not loaded again, its figures are
-    that row's), with the gap closed ``(L_low - L) / (L_low - L_high)``."""
-    import torch
+    only, the ladder), its first-order predicted gain and its measured loss on ``batches``, with the gap closed
+    ``(L_low - L) / (L_low - L_high)``.
+
+    The model is loaded once (the stock ``low`` load :func:`_stock_low` makes); each row's plan is put on it in
+    place and taken off after (:func:`gnmr_hf.planning.rung_swap.swap_rungs`: each planned linear becomes the
+    module :func:`load_planned` loads for its rung, from the same checkpoint weight), so its loss is what a load of
+    the plan measures (tests/test_ladder.py compares the two); ``L_high`` is every low linear on BF16 the same
+    way. A plan equal to an earlier row's is not measured again: its figures are that row's. ``progress``: a bar
+    with one tick per row (and the load's and the gains' own)."""
     from transformers.utils import logging as hf_logging
 
     dtype = dtype or torch.float32
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:
-        hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar at each of the loads
+        hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar at the load
     try:
-        return _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant)
+        return _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant, progress)
     finally:
         if bars and not progress:
             hf_logging.enable_progress_bar()
 
 
-def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant) -> dict[str, Any]:
-    import torch
+def _low_linears(model) -> list[str]:
+    """Every 4-bit / 8-bit linear of a stock-loaded model (the decoder's and any other the quantiser took)."""
+    import bitsandbytes as bnb  # an optional dependency: the [bnb] extra
 
-    from gnmr_hf.memory import model_bytes
-    from gnmr_hf.planning.budget import over_low_prices
+    return [n for n, m in model.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
 
+
+def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_quant, progress) -> dict[str, Any]:
     stock = _stock_low(model_path, low, dtype, double_quant)
-    units = rung_gains(stock, model_path, batches, low, double_quant)
+    units = rung_gains(stock, model_path, batches, low, double_quant, progress=progress)
     # the all-low model as a stock load stores it (non-quantised parameters in BF16), whatever dtype the
     # table computes in: the currency of memory_budget ("+10%nf4"); an FP32 load's own bytes would count its
     # embeddings twice over and inflate every budget
@@ -531,34 +503,33 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
     if dtype == torch.bfloat16 and abs(loaded - low_bytes) > 0.01 * low_bytes:
         raise RuntimeError(f"the stock {low} load holds {loaded} bytes, {low_bytes} predicted: the byte accounting "
                            "is off by more than 1 %")
+    every = _low_linears(stock)
+    weights = _CheckpointLinears(model_path, every)
     l_low = _loss(stock, batches)
-    del stock
-    l_high = _loss(_all_bf16(model_path, dtype), batches)  # every decoder linear on BF16: no quantiser to load
+    # every quantised linear on BF16: the unquantised model, tensor for tensor (a plain load, _all_bf16, equals it)
+    with swap_rungs(stock, weights, {n: "bf16" for n in every}, dtype):
+        l_high = _loss(stock, batches)
     rows = []
-    measured: dict[tuple, tuple] = {}  # a plan already loaded and measured (e.g. INT8 only = the ladder at 5 %)
-    for f in points:
+    measured: dict[tuple, tuple] = {}  # a plan already measured (e.g. INT8 only = the ladder at 5 %)
+    grid = [(f, rs) for f in points for rs in rung_sets]
+    for f, rs in tqdm(grid, desc="ladder table", disable=not progress):
         budget = int(f * low_bytes)
-        for rs in rung_sets:
-            chosen = choose_rungs(units, budget, rs)
-            gain, price = plan_gain(units, chosen)
-            key = tuple(sorted(chosen.items()))
-            if key not in measured:
-                mixed = load_planned(model_path, chosen, low, dtype=dtype, compute_dtype=dtype,
-                                     double_quant=double_quant)
-                if low != "int8":
-                    _reference_layout(mixed)  # as _stock_low: the losses compare on one kernel
-                # what the loaded mixed model holds over the all-low one; with FP32 compute its BF16 rungs are
-                # held in FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
+        chosen = choose_rungs(units, budget, rs)
+        gain, price = plan_gain(units, chosen)
+        key = tuple(sorted(chosen.items()))
+        if key not in measured:
+            with swap_rungs(stock, weights, chosen, dtype, int8_threshold=6.0) as mixed:
+                # what the mixed model holds over the all-low one; with FP32 compute its BF16 rungs are held in
+                # FP32, so the served figure is the price (BF16 rungs, tests/test_ladder.py)
                 held = model_bytes(mixed)["total"] - loaded if dtype == torch.bfloat16 else None
-                measured[key] = (held, _loss(mixed.eval(), batches))
-                del mixed
-            held, loss = measured[key]
-            rows.append({"memory_over_low": f, "budget_bytes": budget, "rungs": "+".join(rs),
-                         "int8": sum(r == "int8" for r in chosen.values()),
-                         "bf16": sum(r == "bf16" for r in chosen.values()), "price_bytes": price, "held_bytes": held,
-                         "predicted_gain": gain, "loss": loss,
-                         "gap_closed": (l_low - loss) / (l_low - l_high) if l_low != l_high else None,
-                         "rung_of": chosen})
+                measured[key] = (held, _loss(mixed, batches))
+        held, loss = measured[key]
+        rows.append({"memory_over_low": f, "budget_bytes": budget, "rungs": "+".join(rs),
+                     "int8": sum(r == "int8" for r in chosen.values()),
+                     "bf16": sum(r == "bf16" for r in chosen.values()), "price_bytes": price, "held_bytes": held,
+                     "predicted_gain": gain, "loss": loss,
+                     "gap_closed": (l_low - loss) / (l_low - l_high) if l_low != l_high else None,
+                     "rung_of": chosen})
     return {"low": low, "low_model_bytes": low_bytes, "loss_low": l_low, "loss_high": l_high, "rows": rows}
 
 
