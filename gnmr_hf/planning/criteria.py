@@ -4,17 +4,23 @@ A new criterion is one function plus one line in :data:`REGISTRY` (its name, the
 it produces); the function takes ``(model, units, batches, weights, progress, seen_low)`` and returns
 ``({score: [per unit]}, cost)``, or a string saying why it cannot run on this model (the profile then skips
 it with a warning). ``seen_low`` maps a batch index to its all-low loss, for a criterion that runs that
-forward anyway (the reference then does not run it again)."""
+forward anyway (the reference then does not run it again). A criterion compares each unit's low path with
+its high path (``_set_path``, ``_high_output``); :func:`gnmr_hf.planning.make.make_plan` runs it once per
+rung of a ladder or INT4 plan with the rung's weight standing in for the high path
+(:mod:`gnmr_hf.planning.rung_criteria`), so an entry added here (even at run time, from a test) serves the
+BF16-only, ladder and INT4 plans alike: :data:`CRITERIA`, :data:`SCORE_NAMES` and the runners are read from
+:data:`REGISTRY` on every use (docs/criteria.md)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from gnmr_hf.core.oracle import recovery_gap_from_sq_norms
 from gnmr_hf.planning.passes import (
     _cost,
     _device,
@@ -159,8 +165,6 @@ def _first_order(model, units, batches, weights, progress, seen_low) -> tuple[di
 
 
 def _lora_grads(model, units, batches, weights, progress, seen_low) -> tuple[dict[str, list[float]], dict[str, Any]] | str:
-    from gnmr_hf.core.oracle import recovery_gap_from_sq_norms
-
     params = [[p for p in unit.module.parameters() if p.requires_grad] for unit in units]
     if not any(params):
         return ("lora_grad needs a LoRA-wrapped model (the units hold no trainable parameter): wrap it with "
@@ -227,12 +231,66 @@ REGISTRY: dict[str, tuple[Any, tuple[str, ...]]] = {
     "lora_grad": (_lora_grads, ("lora_grad", "lora_grad_rel")),
     "weight_error": (_weight_error, ("weight_error",)),
 }
-CRITERIA: dict[str, tuple[str, ...]] = {name: scores for name, (_, scores) in REGISTRY.items()}
-_RUNNERS = {name: fn for name, (fn, _) in REGISTRY.items()}
-SCORE_NAMES = tuple(s for names in CRITERIA.values() for s in names)
+
+
+class _RegistryView(Mapping):
+    """One column of :data:`REGISTRY` as a read-only mapping, read at each use (an entry added later is in it)."""
+
+    def __init__(self, column: int):
+        self._column = column
+
+    def __getitem__(self, name: str) -> Any:
+        return REGISTRY[name][self._column]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(REGISTRY)
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class _ScoreNames(Sequence):
+    """Every registered criterion's score names, in registry order, read at each use."""
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(s for _, scores in REGISTRY.values() for s in scores)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+CRITERIA: Mapping[str, tuple[str, ...]] = _RegistryView(1)  # criterion -> the score names it produces
+_RUNNERS: Mapping[str, Any] = _RegistryView(0)  # criterion -> its function
+SCORE_NAMES: Sequence[str] = _ScoreNames()
 GAIN_SCORES = ("loss", "first_order")  # scores in loss units: their sum over a set is a predicted gain
 # the cheapest criterion that chose as well as "loss" on SmolLM2 NF4 (bench/value/profile_criteria.py, docs/profile.md)
 DEFAULT_CRITERION = "first_order"
+
+
+def unknown_criterion(criterion: str) -> str | None:
+    """Why ``criterion`` is neither a registered criterion nor one's score (one line naming the registered
+    criteria); None when it is one."""
+    if criterion in REGISTRY or criterion in SCORE_NAMES:
+        return None
+    return f"unknown criterion {criterion!r}: one of {', '.join(REGISTRY)}"
+
+
+def gain_score(criterion: str) -> tuple[str, str]:
+    """``(the registered criterion, the score a plan is chosen by)`` for ``criterion``, a criterion (its score of
+    the same name, else its first) or one of a criterion's scores (``output_rel``: ``("output", "output_rel")``)."""
+    if criterion in REGISTRY:
+        scores = REGISTRY[criterion][1]
+        return criterion, criterion if criterion in scores else scores[0]
+    return next((c, criterion) for c, (_, scores) in REGISTRY.items() if criterion in scores)
 
 
 def _criteria(criteria: str | Sequence[str]) -> list[str]:

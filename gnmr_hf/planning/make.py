@@ -14,9 +14,12 @@ the same way, in three steps a caller may also take one by one:
                     in one line (:class:`~gnmr_hf.planning.plan.PlanError`) before anything is measured when it
                     buys nothing or exceeds what there is to keep
 :func:`plan_gains`  each linear's gain on each rung from the batches: the sensitivity profile's criterion for a
-                    BF16-only plan (:func:`gnmr_hf.planning.profiler.profile_sensitivity`, a dual-path model),
-                    the first-order rung gains for the ladder (:func:`gnmr_hf.planning.ladder.rung_gains`, on a
-                    stock low model it loads and frees) or over INT4 (:func:`gnmr_hf.planning.int4.ct_rung_gains`)
+                    BF16-only plan (:func:`gnmr_hf.planning.profiler.profile_sensitivity`, a dual-path model);
+                    by default the first-order rung gains for the ladder (:func:`gnmr_hf.planning.ladder.rung_gains`,
+                    on a stock low model it loads and frees) or over INT4
+                    (:func:`gnmr_hf.planning.int4.ct_rung_gains`), and any other registered criterion once per
+                    rung, the rung's weight standing in for the high path
+                    (:func:`gnmr_hf.planning.rung_criteria.criterion_rung_gains`)
 ==================  ========================================================================================
 
 (called through their modules, so that a test can count the passes) and one greedy planner,
@@ -33,9 +36,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gnmr_hf.planning import int4, ladder, profiler
-from gnmr_hf.planning.budget import budget_refusal, rung_price, served_budget
-from gnmr_hf.planning.criteria import DEFAULT_CRITERION
+import torch
+
+from gnmr_hf.planning import int4, ladder, profiler, rung_criteria
+from gnmr_hf.planning.budget import budget_refusal, over_low_prices, rung_price, served_budget
+from gnmr_hf.planning.criteria import DEFAULT_CRITERION, unknown_criterion
 from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups
 from gnmr_hf.planning.int4 import ct_rung_prices, ct_shapes, ct_tensor_bytes
 from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs
@@ -89,8 +94,6 @@ def plan_prices(model, rungs: Sequence[str] = ("bf16",), low: str = "nf4", model
         return PlanPrices(linears, shapes, prices, low, ct_tensor_bytes(ct, {}, other, gs), rungs, gs)
     if model_path is None:
         raise PlanError(f"plan_prices(low={low!r}) prices the all-{low} model from its checkpoint: give model_path")
-    from gnmr_hf.planning.budget import over_low_prices
-
     units = _units(model, "linears")
     linears, shapes, unit_of = [], {}, []
     for i, u in enumerate(units):
@@ -147,8 +150,13 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
                profile: SensitivityProfile | None = None, dtype=None) -> PlanGains:
     """Each of ``prices``' linears' gain on each rung from ``batches`` (the one sensitivity pass; see the module
     docstring). ``profile``: a BF16-only plan's profile already taken on these batches (nothing measured again);
-    ``dtype``: the ladder's stock low model's compute dtype (default: the model's first floating parameter's)."""
+    ``dtype``: the ladder's stock low model's compute dtype (default: the model's first floating parameter's).
+    ``criterion`` other than None and ``"first_order"`` on the ladder's or INT4's rungs: that registered criterion
+    on each rung (:func:`gnmr_hf.planning.rung_criteria.criterion_rung_gains`)."""
     batches = list(batches)
+    why = unknown_criterion(criterion) if criterion is not None else None
+    if why:
+        raise PlanError(why)
     if prices.rungs == ("bf16",) and prices.low != "int4":
         criterion = criterion or DEFAULT_CRITERION
         if profile is None:
@@ -165,9 +173,9 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
         if [u.name for u in units] != prices.linears:
             raise PlanError(f"the profile's {len(units)} units are not the model's {len(prices.linears)} linears")
         return PlanGains(units, name, len(batches), profile.tokens, profile)
-    if criterion not in (None, LADDER_CRITERION):
-        raise PlanError(f"criterion {criterion}: a plan over the rungs {', '.join(prices.rungs)} is chosen by the "
-                        f"rungs' first-order gains ({LADDER_CRITERION}), no other criterion")
+    if criterion not in (None, LADDER_CRITERION):  # a registered criterion, once per rung
+        units, tokens = rung_criteria.criterion_rung_gains(model, batches, prices, criterion, progress=progress)
+        return PlanGains(units, criterion, len(batches), tokens)
     if prices.low == "int4":
         units = int4.ct_rung_gains(model, batches, prices.group_size, prices.linears)
     else:
@@ -180,8 +188,6 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
 
 def _stock_rung_gains(model, batches, prices: PlanPrices, model_path, double_quant: bool, dtype=None) -> list[LadderUnit]:
     """The ladder's first-order rung gains on a stock-loaded low model (a second load, freed before returning)."""
-    import torch
-
     if model_path is None:
         raise PlanError("the ladder's rung gains are measured on a stock-loaded low model: give model_path")
     param = next(model.parameters())
@@ -230,8 +236,10 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
             int), or a share of what every planned linear on its dearest rung adds (``"10%"``).
         rungs: ``("bf16",)`` (a BF16-only plan), ``("int8",)`` or ``("int8", "bf16")`` (the ladder).
         groups: None (free, linear by linear) or ``"vllm"`` (whole serving groups as vLLM fuses them).
-        criterion: the BF16-only plan's score (default :data:`~gnmr_hf.planning.criteria.DEFAULT_CRITERION`);
-            the ladder and INT4 plans are chosen by first-order rung gains.
+        criterion: a registered criterion (:data:`~gnmr_hf.planning.criteria.REGISTRY`) or one of its scores: the
+            BF16-only plan's score (default :data:`~gnmr_hf.planning.criteria.DEFAULT_CRITERION`); the ladder's and
+            INT4's default (None or ``"first_order"``) is the rungs' first-order gains, any other criterion runs
+            once per rung (docs/criteria.md: what each costs).
         low, model_path, double_quant, group_size: the low format, the checkpoint (bitsandbytes formats: the
             all-low model's bytes, the ladder's stock model) and the INT4 group (``low="int4"``, default 128).
         share: the part of the budget the plan may spend (a hybrid run leaves the rest to its controller).
@@ -249,11 +257,15 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
 
     Raises:
         PlanError: a budget that buys nothing or exceeds what there is to keep (before anything is measured), a
-            serving layout that is not known, a criterion the rungs do not take: one line.
+            serving layout that is not known, an unknown criterion (naming the registered ones, before anything is
+            priced): one line.
     """
     rungs = tuple(r for r in ("int8", "bf16") if r in rungs)
     if not rungs:
         raise PlanError("make_plan: rungs must name int8 and/or bf16")
+    why = unknown_criterion(criterion) if criterion is not None and gains is None else None
+    if why:  # before anything is priced or measured
+        raise PlanError(why)
     prices = prices or plan_prices(model, rungs, low, model_path, double_quant, group_size)
     layout = layout if groups is not None and layout is not None else layout_of(model, groups, prices)
     spend = plan_budget(budget, prices, share, shown=budget_text, layout=layout)
