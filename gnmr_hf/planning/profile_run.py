@@ -14,8 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from gnmr_hf.backends.dispatch import prepare_dual_path
+from gnmr_hf.memory import parse_memory_budget
+from gnmr_hf.planning.budget import over_low_prices
+from gnmr_hf.planning.ladder import MEMORY_POINTS, format_ladder_table, ladder_table
 from gnmr_hf.planning.make import (
     PlanPrices,
     layout_of,
@@ -29,6 +33,7 @@ from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.planning.planner import PrecisionPlan, measure_plan
 from gnmr_hf.planning.profiler import profile_sensitivity
 from gnmr_hf.planning.results import SensitivityProfile
+from gnmr_hf.reporting.profile_plot import plot_profile
 
 
 class ProfileError(Exception):
@@ -122,8 +127,6 @@ class _Plans:
 
     def points(self, main_budget: int, groups) -> list[tuple[Plan, PrecisionPlan]]:
         """The plan at each price point that buys something, and the main one, by budget."""
-        from tqdm.auto import tqdm
-
         out = []
         for f in tqdm(PRICE_POINTS, desc="plans", disable=self.args.quiet):
             b = int(f * self.prices.dearest)
@@ -231,8 +234,6 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
     record for profile.json."""
     rows, grouping = [], None
     if layout is not None:
-        from tqdm.auto import tqdm
-
         grouping = {"groups": "vllm", "plans": []}
         for plan, view in tqdm(chosen, desc="grouped plans" if not args.groups else "free plans", disable=args.quiet):
             other = None if args.groups else "vllm"
@@ -265,17 +266,16 @@ def _print_plans(args, prof, plans: _Plans, chosen, layout, no_layout, floors) -
 def _ladder(args, model_path: Path, batches, dtype, floor: float) -> dict[str, Any] | None:
     if args.low == "int8" or args.no_ladder:
         return None
-    from gnmr_hf.memory import parse_memory_budget
-    from gnmr_hf.planning.ladder import MEMORY_POINTS, format_ladder_table, ladder_table
-
     print(f"\n[profile] the precision ladder: each linear on {args.low}, INT8 or BF16, planned under memory over "
-          f"the {args.low} model (one load per row) ...", flush=True)
+          f"the {args.low} model (one load, each row's plan swapped in) ...", flush=True)
+    started = time.time()
     # a budget written as memory over the low model gets its own rows: their ladder plan is the file's ladder
     # plan (gnmr_hf.planning.plan.Plan.load(..., rung_set=("int8", "bf16")); a recipe's --profile.plan)
     memory = parse_memory_budget(args.budget)
     points = MEMORY_POINTS if memory is None or memory[1] != args.low else \
         tuple(sorted(set(MEMORY_POINTS) | {memory[0]}))
     rows = ladder_table(model_path, batches, args.low, dtype=dtype, points=points, progress=not args.quiet)
+    print(f"[profile] ladder table: {len(rows['rows'])} rows in {time.time() - started:.0f} s", flush=True)
     print(f"ladder price table (gap closed on the profile batches, in-sample; L_low {rows['loss_low']:.4f}, "
           f"L_high {rows['loss_high']:.4f} as stock-loaded; served over {args.low} = the rungs' exact bytes with BF16 "
           "rungs in BF16):")
@@ -314,8 +314,6 @@ def summary(plan: Plan, view: PrecisionPlan, floors: dict[str, float]) -> str:
 
 def _write(args, out: Path, model_path: Path, prof, name, main_plan: Plan, main_view: PrecisionPlan, views,
            grouping, ladder_rows, prices: PlanPrices, started: float, floors: dict[str, float]) -> None:
-    from gnmr_hf.planning.budget import over_low_prices
-
     print()
     print(summary(main_plan, main_view, floors))
     skips = main_view.skip_modules()
@@ -334,9 +332,8 @@ def _write(args, out: Path, model_path: Path, prof, name, main_plan: Plan, main_
                         command="gnmr-hf profile " + shlex.join(args.argv))
     written = [str(path)]
     if not args.no_plot:
+        print(f"[profile] drawing {out / 'profile.png'} ...", flush=True)
         try:
-            from gnmr_hf.reporting.profile_plot import plot_profile
-
             over_low = over_low_prices(model_path, prices.linears, args.low)
             title = f"{Path(str(model_path)).name}, {args.low}: profiled on {prof.tokens} target tokens"
             written.append(str(plot_profile(prof, views, out / "profile.png", name, title=title, over_low=over_low,
