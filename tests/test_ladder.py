@@ -335,12 +335,14 @@ def test_ladder_table_swaps_each_plan_into_one_load(tiny_llama_dir, ids, monkeyp
     assert ladder._loss(model, [batch]) == table["loss_low"]
 
 
-def test_ladder_table_held_bytes_are_a_loaded_plans(tiny_llama_dir, ids):
+def test_ladder_table_held_bytes_are_a_loaded_plans(tiny_llama_dir, ids, capsys):
     """In BF16 the table states what each plan holds over the all-NF4 model: the same bytes a load of the plan
-    holds over a load of the all-NF4 model, and the same loss."""
+    holds over a load of the all-NF4 model, and the same loss; its bar ticks for L_low, L_high and the row."""
     batch = {"input_ids": ids, "labels": ids}
     table = ladder.ladder_table(tiny_llama_dir, [batch], "nf4", dtype=torch.bfloat16, points=(0.25,),
-                                rung_sets=(("int8", "bf16"),), progress=False)
+                                rung_sets=(("int8", "bf16"),), progress=True)
+    err = capsys.readouterr().err
+    assert "ladder gains: 100%" in err and "1/1" in err and "ladder table: 100%" in err and "3/3" in err
     (row,) = table["rows"]
     assert row["int8"] and row["bf16"]
     mixed, loss = _loaded_loss(tiny_llama_dir, row["rung_of"], [batch], torch.bfloat16)

@@ -471,7 +471,7 @@ def ladder_table(model_path, batches, low: str = "nf4", dtype=None, points=MEMOR
     module :func:`load_planned` loads for its rung, from the same checkpoint weight), so its loss is what a load of
     the plan measures (tests/test_ladder.py compares the two); ``L_high`` is every low linear on BF16 the same
     way. A plan equal to an earlier row's is not measured again: its figures are that row's. ``progress``: a bar
-    with one tick per row (and the load's and the gains' own)."""
+    with a tick for ``L_low``, one for ``L_high`` and one per row (beside the load's and the gains' own)."""
     from transformers.utils import logging as hf_logging
 
     dtype = dtype or torch.float32
@@ -505,14 +505,17 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
                            "is off by more than 1 %")
     every = _low_linears(stock)
     weights = _CheckpointLinears(model_path, every)
+    grid = [(f, rs) for f in points for rs in rung_sets]
+    bar = tqdm(total=2 + len(grid), desc="ladder table", disable=not progress)  # L_low, L_high, then a tick a row
     l_low = _loss(stock, batches)
+    bar.update()
     # every quantised linear on BF16: the unquantised model, tensor for tensor (a plain load, _all_bf16, equals it)
     with swap_rungs(stock, weights, {n: "bf16" for n in every}, dtype):
         l_high = _loss(stock, batches)
+    bar.update()
     rows = []
     measured: dict[tuple, tuple] = {}  # a plan already measured (e.g. INT8 only = the ladder at 5 %)
-    grid = [(f, rs) for f in points for rs in rung_sets]
-    for f, rs in tqdm(grid, desc="ladder table", disable=not progress):
+    for f, rs in grid:
         budget = int(f * low_bytes)
         chosen = choose_rungs(units, budget, rs)
         gain, price = plan_gain(units, chosen)
@@ -530,6 +533,8 @@ def _ladder_table(model_path, batches, low, dtype, points, rung_sets, double_qua
                      "predicted_gain": gain, "loss": loss,
                      "gap_closed": (l_low - loss) / (l_low - l_high) if l_low != l_high else None,
                      "rung_of": chosen})
+        bar.update()
+    bar.close()
     return {"low": low, "low_model_bytes": low_bytes, "loss_low": l_low, "loss_high": l_high, "rows": rows}
 
 
