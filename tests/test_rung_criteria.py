@@ -193,3 +193,20 @@ def test_an_unknown_criterion_is_one_line_naming_the_registered_ones(monkeypatch
     pp = PlanPrices(["a"], {"a": (1, 1)}, {"a": {"int8": 1, "bf16": 2}}, "nf4", 10, ("int8", "bf16"))
     with pytest.raises(PlanError, match=r"^unknown criterion 'nope': one of loss, .*, toy$"):
         plan_gains(None, [], pp, "nope")
+
+
+def test_a_score_name_chooses_by_that_score_and_the_bf16_rung_is_the_bf16_profiles(nf4_model, tiny_llama_dir,
+                                                                                    monkeypatch):
+    from gnmr_hf.planning.profiler import profile_sensitivity
+
+    batches, seen = _batches(1), _spy(monkeypatch)
+    ladder = make_plan(nf4_model, batches, "+20%nf4", ("int8", "bf16"), criterion="output_rel",
+                       model_path=tiny_llama_dir)
+    bf16_only = make_plan(nf4_model, batches, "+20%nf4", ("bf16",), criterion="output_rel", model_path=tiny_llama_dir)
+    assert ladder.chosen_by["criterion"] == bf16_only.chosen_by["criterion"] == "output_rel"
+    prof = profile_sensitivity(nf4_model, batches, criteria=("output",))
+    want = dict(zip([u.modules[0] for u in prof.units], prof.scores("output_rel")))
+    got = {u.name: u.gains for u in seen["units"]}
+    assert set(got) == set(want) and all(want[n] > 0 for n in want)
+    assert all(got[n]["bf16"] == pytest.approx(want[n], rel=1e-6) for n in want)
+    assert any(got[n]["int8"] != pytest.approx(got[n]["bf16"], rel=1e-3) for n in want)  # the INT8 rung stood in

@@ -40,7 +40,7 @@ import torch
 
 from gnmr_hf.planning import int4, ladder, profiler, rung_criteria
 from gnmr_hf.planning.budget import budget_refusal, over_low_prices, rung_price, served_budget
-from gnmr_hf.planning.criteria import DEFAULT_CRITERION, unknown_criterion
+from gnmr_hf.planning.criteria import DEFAULT_CRITERION, gain_score, unknown_criterion
 from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups
 from gnmr_hf.planning.int4 import ct_rung_prices, ct_shapes, ct_tensor_bytes
 from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs
@@ -160,7 +160,8 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
     if prices.rungs == ("bf16",) and prices.low != "int4":
         criterion = criterion or DEFAULT_CRITERION
         if profile is None:
-            profile = profiler.profile_sensitivity(model, batches, criteria=(criterion,), progress=progress)
+            owner = gain_score(criterion)[0]  # a score (output_rel) is its criterion's (output) to run
+            profile = profiler.profile_sensitivity(model, batches, criteria=(owner,), progress=progress)
         name = profile._score_name(criterion)
         units = []
         for u in profile.units:
