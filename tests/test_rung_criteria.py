@@ -197,11 +197,17 @@ def test_an_unknown_criterion_is_one_line_naming_the_registered_ones(monkeypatch
 
 def test_a_score_name_chooses_by_that_score_and_the_bf16_rung_is_the_bf16_profiles(nf4_model, tiny_llama_dir,
                                                                                     monkeypatch):
+    from gnmr_hf import active_units, set_active_units
     from gnmr_hf.planning.profiler import profile_sensitivity
 
     batches, seen = _batches(1), _spy(monkeypatch)
-    ladder = make_plan(nf4_model, batches, "+20%nf4", ("int8", "bf16"), criterion="output_rel",
-                       model_path=tiny_llama_dir)
+    set_active_units(nf4_model, [5], units="linears")  # a unit on its recovery path stays there
+    try:
+        ladder = make_plan(nf4_model, batches, "+20%nf4", ("int8", "bf16"), criterion="output_rel",
+                           model_path=tiny_llama_dir)
+        assert active_units(nf4_model, "linears") == [5]
+    finally:
+        set_active_units(nf4_model, [], units="linears")
     bf16_only = make_plan(nf4_model, batches, "+20%nf4", ("bf16",), criterion="output_rel", model_path=tiny_llama_dir)
     assert ladder.chosen_by["criterion"] == bf16_only.chosen_by["criterion"] == "output_rel"
     prof = profile_sensitivity(nf4_model, batches, criteria=("output",))

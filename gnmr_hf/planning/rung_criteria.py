@@ -105,14 +105,14 @@ def _ct_rung_weight(rung: str, bf16: torch.Tensor, dtype: torch.dtype) -> torch.
 def _bnb_paths(model) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
     """The dual-path model's units, and a switch putting every linear's recovery path on a rung."""
     units = _units(model, "linears")
-    start = [i for i, u in enumerate(units) if any(m.recovery for m in u.dual)]
-    _set_path(units, [])
-    own = {id(m): m._gnmr_source for u in units for m in u.dual}
     for u in units:
         for m in u.dual:
             if getattr(m._gnmr_source, "index", None) is None:
                 raise PlanError(f"{u.name}: its recovery path holds no checkpoint weight to put on a rung (prepare "
                                 "the dual path with prepare_dual_path(..., units='linears'), recovering on BF16)")
+    start = [i for i, u in enumerate(units) if any(m.recovery for m in u.dual)]
+    _set_path(units, [])  # each linear leaves its own recovery weight before it gets a stand-in
+    own = {id(m): m._gnmr_source for u in units for m in u.dual}
 
     def use(rung: str) -> None:
         _set_path(units, [])
