@@ -102,7 +102,8 @@ from gnmr_hf.reporting.report import OneLineErrorParser
 
 # gnmr_hf.recipe, gnmr_hf.evaluation.evaluate and torch are imported inside the functions that need them: they load
 # torch (and transformers, peft, bitsandbytes), which `gnmr-hf demo --help` and `import gnmr_hf.demo` do without.
-# The names below were all gnmr_hf.demo's when it was one file, and stay importable from it.
+# What gnmr_hf.demo offers: every name of the former one-file module (tests and bench/value/nf4_bench.py import
+# them from here) and the rooms' phase functions.
 __all__ = [
     "CALLBACK_RUNS", "CHOICES", "COMPARISONS", "DEMO_MODEL", "DTYPES", "EPILOG", "EVAL_BATCH_SIZE", "EVAL_LIMIT",
     "EVAL_TASKS", "GNMR_PRECISIONS", "HELDOUT", "LOW_CHOICES", "LOW_NAME", "LOW_PATHS", "MAX_STEPS", "PLAN_SOURCE",
@@ -224,7 +225,6 @@ def _training_dtype(args: argparse.Namespace) -> tuple[str, str]:
         return args.compute_dtype, "set with --compute-dtype"
     dtype, reason = hardware.auto_compute_dtype()
     return dtype, f"auto: {reason}"
-
 
 
 def _comparison(args: argparse.Namespace) -> tuple[str, str, list[str]]:
