@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# gnmr_hf.recipe loads transformers, peft and bitsandbytes at its top: find_recipes and check_recipes import it
+# inside, so `gnmr-hf demo --help` and `import gnmr_hf.demo` stay without them
+
 # --compare: which comparison the demo runs. "ladder" (the default) is what a budget fine-tuner chooses between on
 # an NF4 base: BF16 LoRA (the reference), NF4 QLoRA, the recommended planned recipe (the precision ladder at
 # +10 % memory over NF4) and its calibrated adapter initialisation, both trained on one profile's plan, and the

@@ -128,7 +128,6 @@ def score_heldout(out: Path, name: str, checkpoint: Path, script, problems: list
     return record
 
 
-
 def heldout_settings(n: int, dtype: str) -> str:
     """How the held-out loss is measured (the summary's note under the table)."""
     return (f"mean loss per response token (the worked answer and EOS, as the recipes train) on the "
