@@ -136,7 +136,8 @@ def vllm_nll(venv: Path, folder: Path, ids_file: Path, threads: int, gen_tokens:
     if out.returncode:
         errors = [ln for ln in out.stderr.strip().splitlines() if "Error" in ln] or out.stderr.strip().splitlines()
         return {"refused": errors[-1][:400] if errors else f"rc {out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too (its shutdown lines come after the worker's): the worker's line is the JSON one
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"nll"')][-1])
 
 
 # ------------------------------------------------------------------------------------ transformers side
