@@ -35,6 +35,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gnmr_hf.loftq import check_loftq_input
+from gnmr_hf.units import short_name
+
 #: default damping of ``H``: ``damp * mean(diag H)`` added to its diagonal (GPTQ's 0.01)
 DEFAULT_DAMP = 0.01
 
@@ -182,9 +185,6 @@ def calibrated_lora_init(peft_model: Any, batches: Any, model_path: Any, skip: A
     import torch
     from peft.utils.loftq_utils import _SafetensorLoader
 
-    from gnmr_hf.loftq import check_loftq_input
-    from gnmr_hf.units import short_name
-
     t0 = time.time()
     check_loftq_input(peft_model, model_path, adapter_name, skip)
     kept = {short_name(str(n)) for n in (skip or [])}
@@ -238,9 +238,6 @@ def error_spectra(peft_model: Any, batches: Any, model_path: Any, skip: Any = No
     import bitsandbytes.functional as bf
     import torch
     from peft.utils.loftq_utils import _SafetensorLoader
-
-    from gnmr_hf.loftq import check_loftq_input
-    from gnmr_hf.units import short_name
 
     check_loftq_input(peft_model, model_path, adapter_name, skip)
     kept = {short_name(str(n)) for n in (skip or [])}

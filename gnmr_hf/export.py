@@ -73,6 +73,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
     source_name,
 )
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
+from gnmr_hf.offline.gguf_models import resolve_model
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
 FORMATS = ("bitsandbytes", "compressed-tensors", "gguf")
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uniform", default=None, metavar="TYPE", help="gguf: every decoder linear at TYPE, no plan "
                    "(the uniform baseline)")
     args = p.parse_args(argv)
-    from gnmr_hf.offline.gguf_models import resolve_model
-
     def fail(msg: str) -> int:
         print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
         return 2

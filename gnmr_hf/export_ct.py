@@ -46,10 +46,19 @@ from typing import Any
 from gnmr_hf.export_folder import (
     ExportError,
     check_model_folder,
+    check_output,
     check_sources,
     folder_name,
     model_name,
     plan_file,
+    staged_output,
+)
+from gnmr_hf.planning.groups import (
+    ServingLayoutError,
+    decoder_linears,
+    describe_split,
+    serving_groups,
+    split_groups,
 )
 from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's quantisers and prices)
     INT4_PROFILE,
@@ -123,14 +132,6 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
     shapes, the decoder linears, the serving groups; one-line :class:`ExportError` on a mismatch."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gnmr_hf.planning.groups import (
-        ServingLayoutError,
-        decoder_linears,
-        describe_split,
-        serving_groups,
-        split_groups,
-    )
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
@@ -213,8 +214,6 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         ExportError / OutputFolderError: bad input, in one line, before anything is written.
     """
     _require_compressed_tensors()
-    from gnmr_hf.export_folder import check_output, staged_output
-
     if target not in TARGETS:
         raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):

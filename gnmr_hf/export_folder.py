@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gnmr_hf.offline.gguf_models import model_name as name_of
+
 MARKER = ".gnmr_export.json"
 _WRITTEN_BY = "gnmr_hf export"
 
@@ -77,8 +79,6 @@ def check_model_folder(model_path: Path) -> dict[str, Any]:
 def model_name(model: str | os.PathLike) -> str:
     """How a record meant to travel names a model: :func:`gnmr_hf.offline.gguf_models.model_name` (the alias, the hub
     id, else the folder's base name; never a folder of this machine)."""
-    from gnmr_hf.offline.gguf_models import model_name as name_of
-
     return name_of(model)
 
 
@@ -93,7 +93,6 @@ def check_sources(model_path: str | os.PathLike, plan_path: str | os.PathLike | 
 
     Both exports call this, with the checks ``load_planned`` / ``gnmr-hf eval --plan`` and ``gnmr-hf eval
     --adapter`` make, not copies of them:
-
     - the plan file (``plan_path``, its JSON ``plan``; None for rungs given as a mapping, which are not
       checked): :func:`gnmr_hf.planning.ladder._check_same_model`, the ``model_identity`` it records (a hash
       of the config and a fingerprint of the weights: another model with the same layer names and shapes, a

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf.export_folder import ExportError, check_model_folder, check_sources
+from gnmr_hf.offline.gguf_models import MODELS, default_cache_dir, gguf_path, locate_model, resolve_model
+from gnmr_hf.strict_json import read_json
 
 #: the GGUF type of each rung when none is given (``low``: every decoder linear the plan does not name)
 DEFAULT_RUNG_TYPES = {"low": "Q4_0", "int8": "Q8_0", "bf16": "BF16"}
@@ -103,8 +105,6 @@ def block_size(type_name: str) -> int:
 
 def _resolve(model: str | os.PathLike) -> tuple[Path, str | None]:
     """The BF16 model folder and the offline alias it came from (None for any other folder)."""
-    from gnmr_hf.offline.gguf_models import MODELS, default_cache_dir, locate_model, resolve_model
-
     kind, where = locate_model(model)
     if kind == "hub":
         raise ExportError(f"{model}: not a folder here nor an offline alias ({', '.join(MODELS)}); download it first")
@@ -116,7 +116,7 @@ def _resolve(model: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def _read_plan(plan: str | os.PathLike | Mapping[str, str] | None) -> tuple[dict[str, str], dict[str, Any], Path | None]:
-    from gnmr_hf.planning.plan import Plan, PlanError
+    from gnmr_hf.planning.plan import Plan, PlanError  # torch (the planning package): keeps --help light
 
     if plan is None:
         return {}, {}, None
@@ -197,7 +197,7 @@ def export_gguf(model: str | os.PathLike, plan: str | os.PathLike | Mapping[str,
     out = _check_output(output, force)
 
     meta = _meta(model_path)
-    from gnmr_hf.planning.groups import decoder_linears
+    from gnmr_hf.planning.groups import decoder_linears  # torch (the planning package): keeps --help light
 
     linears = decoder_linears(meta)
     shapes = {n: tuple(m.weight.shape) for n, m in meta.named_modules() if n in set(linears)}
@@ -391,8 +391,6 @@ def _copy_tokenizer(w, model_path: Path, alias: str) -> str:
     """The ``tokenizer.*`` fields of the GGUF the offline model was converted from, as written there."""
     import gguf
 
-    from gnmr_hf.offline.gguf_models import MODELS, gguf_path
-
     with tempfile.TemporaryDirectory() as work:
         source = gguf_path(alias, work)
         reader = gguf.GGUFReader(source)
@@ -415,8 +413,6 @@ def _copy_tokenizer(w, model_path: Path, alias: str) -> str:
 def _bpe_tokenizer(w, model_path: Path, vocab_size: int) -> str:
     """The converter's ``get_vocab_base`` + ``SpecialVocab`` for a byte-level BPE ``tokenizer.json``."""
     import gguf
-
-    from gnmr_hf.strict_json import read_json
 
     path = model_path / "tokenizer.json"
     if not path.is_file():

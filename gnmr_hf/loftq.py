@@ -27,6 +27,8 @@ import types
 from contextlib import contextmanager
 from typing import Any
 
+from gnmr_hf.units import short_name
+
 CUDA_LINE = 'compute_device = "xpu" if is_xpu_available() else "cuda"'
 CPU_LINE = "compute_device = qweight.device"
 
@@ -95,8 +97,6 @@ def replace_lora_weights_loftq(peft_model: Any, model_path: str, adapter_name: s
 
     pairs = check_loftq_input(peft_model, model_path, adapter_name, skip)
     if skip:
-        from gnmr_hf.units import short_name
-
         # PEFT names the modules without its own wrapper prefix; short names compare any spelling
         keep = {short_name(str(n)) for n in skip}
         inner = callback
@@ -154,8 +154,6 @@ def check_loftq_input(peft_model: Any, model_path: Any, adapter_name: str = "def
     if not pairs:
         raise ValueError(f"LoftQ: no LoRA adapter {adapter_name!r} on a bitsandbytes 4-bit linear of this model "
                          "(load it with BitsAndBytesConfig(load_in_4bit=True) and target its linears with LoRA)")
-    from gnmr_hf.units import short_name
-
     kept = {short_name(str(n)) for n in (skip or [])}
     for name, m in pairs:
         r, shape = m.r[adapter_name], (m.out_features, m.in_features)

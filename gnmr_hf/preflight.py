@@ -15,6 +15,9 @@ import glob
 import os
 from collections.abc import Sequence
 
+from gnmr_hf.memory import parse_budget, parse_memory_budget
+from gnmr_hf.offline.gguf_models import ModelNotFoundError, locate_model
+
 # what gnmr-hf profile's --low takes (gnmr_hf.planning.cli._LOW)
 _PROFILE_LOWS = ("nf4", "fp4", "int8", "int4")
 
@@ -40,8 +43,6 @@ def _values(argv: Sequence[str], *names: str) -> dict[str, str]:
 
 
 def _model(name: str) -> str | None:
-    from gnmr_hf.offline.gguf_models import ModelNotFoundError, locate_model
-
     try:
         locate_model(name)
     except ModelNotFoundError as e:
@@ -67,8 +68,6 @@ def check_command(command: str, argv: Sequence[str]) -> str | None:
     if data and not os.path.exists(data):
         return f"--data {data}: no such file or folder"
     if "--budget" in opts:
-        from gnmr_hf.memory import parse_budget, parse_memory_budget
-
         try:
             if parse_memory_budget(opts["--budget"], lows=_PROFILE_LOWS) is None:
                 parse_budget(opts["--budget"])

@@ -21,6 +21,9 @@ from typing import Any
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from gnmr_hf.core.controller import GNMRConfig
+from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
+from gnmr_hf.offline.text_data import text_task
 from gnmr_hf.recipe_args import (  # noqa: F401  (re-exported: gnmr_hf.recipe is the recipe format's face)
     BLOCKS,
     GENERATED,
@@ -72,8 +75,6 @@ class RecipeParser(HfArgumentParser):
 
 
 def _gnmr_help() -> str:
-    from gnmr_hf.core.controller import GNMRConfig
-
     names = [f.name for f in dataclasses.fields(GNMRConfig)] + ["init_fraction", "storage", "monitor"]
     return ("gnmr: block (YAML) / --gnmr.KEY value (command line), KEY one of: " + ", ".join(names)
             + "; see gnmr_hf.GNMRConfig and docs/recipes.md")
@@ -275,7 +276,6 @@ def validate(recipe: Recipe) -> Recipe:
     Raises ``RecipeError`` naming the key, where it was set and the precision. Only keys the config file (or
     a file it includes) or the command line set count, whatever their value (``bnb_4bit_use_double_quant:
     false`` too); defaults never do. The rules:
-
     - ``bnb_4bit_*``: nf4 and gnmr-nf4 only (the other precisions load no 4-bit weight);
     - the ``gnmr:`` block: gnmr and gnmr-nf4 (where ``monitor: true`` is refused: the callback switches
       layers there); on bf16, int8 and nf4 only with ``monitor: true``, and then not the keys that choose
@@ -369,8 +369,6 @@ def load_records(script: ScriptArguments, output_dir: str):
 
     name = script.dataset
     if name == GENERATED:
-        from gnmr_hf.offline.gsm8k import write_gsm8k_jsonl
-
         data_dir = script.data_dir or os.path.join(output_dir, "data")
         folder = write_gsm8k_jsonl(data_dir, n_train=script.num_generated, seed=script.generated_seed)
         ds = datasets.load_dataset("json", data_files=[str(folder / "train.jsonl")], split="train")
@@ -399,8 +397,6 @@ def text_dataset(script: ScriptArguments, tokenizer):
     """``dataset: text:PATH``: the training blocks of ``gnmr_hf.offline.text_data.text_task`` as a
     ``datasets.Dataset`` (``max_train_examples`` keeps the first blocks), and the split's summary."""
     import datasets
-
-    from gnmr_hf.offline.text_data import text_task
 
     source = script.dataset[len(TEXT):]
     try:

@@ -13,6 +13,13 @@ from typing import Any, Literal
 
 from transformers import TrainingArguments
 
+from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
+from gnmr_hf.hardware import auto_compute_dtype
+from gnmr_hf.memory import parse_memory_budget
+from gnmr_hf.planning import CRITERIA, parse_budget
+from gnmr_hf.planning.ladder import RUNGS
+from gnmr_hf.planning.planner import GROUPINGS
+
 GENERATED = "generated-arithmetic"
 TEXT = "text:"  # dataset: text:PATH, plain text (a file, a folder or a glob): gnmr_hf.offline.text_data
 SMOLLM2 = "smollm2-135m-instruct"
@@ -104,8 +111,6 @@ class ScriptArguments:
         if self.max_train_examples is not None and self.max_train_examples < 1:
             raise ValueError(f"max_train_examples must be >= 1 or null, got {self.max_train_examples}")
         if self.compute_dtype == "auto":  # resolved here, so the run and run.json see the dtype it chose
-            from gnmr_hf.hardware import auto_compute_dtype
-
             self.compute_dtype, reason = auto_compute_dtype()
             print(f"compute_dtype auto -> {self.compute_dtype}: {reason}", flush=True)
 
@@ -164,8 +169,6 @@ class GNMRArguments:
         """Parse and validate the block (every value, whatever the precision; see :func:`validate`
         for which keys a precision uses). ``given``: where each key came from (``"in FILE"``, ``"on the
         command line"``; default ``"in the gnmr block"``)."""
-        from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
-
         given = {k: (given or {}).get(k, "in the gnmr block") for k in block}
         block = dict(block)
         own = {k: block.pop(k) for k in ("init_fraction", "storage", "monitor") if k in block}
@@ -257,8 +260,6 @@ class ProfileArguments:
     @classmethod
     def from_dict(cls, block: dict[str, Any], given: dict[str, str] | None = None) -> ProfileArguments:
         """Parse and check the block (one-line ``RecipeError`` naming the key)."""
-        from gnmr_hf.planning import CRITERIA, parse_budget
-
         known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups", "plan"]
         unknown = sorted(set(block) - set(known))
         if unknown:
@@ -267,8 +268,6 @@ class ProfileArguments:
         if "budget" in block:
             out.budget = str(block["budget"])
         try:
-            from gnmr_hf.memory import parse_memory_budget
-
             memory = parse_memory_budget(out.budget)  # "+10%nf4": memory over the all-NF4 model
             if memory is not None and memory[1] != "nf4":
                 raise ValueError(f"budget {out.budget!r} is memory over the {memory[1]} model; the recipes' "
@@ -298,8 +297,6 @@ class ProfileArguments:
         if "rungs" in block:
             out.rungs = _parse_rungs(block["rungs"])
         if block.get("groups") is not None:
-            from gnmr_hf.planning.planner import GROUPINGS
-
             if block["groups"] not in GROUPINGS:
                 raise RecipeError(f"profile.groups must be {' or '.join(GROUPINGS)} (whole serving groups: q/k/v of a "
                                   f"layer together, gate/up together) or null (a free plan), got {block['groups']!r}")
@@ -335,8 +332,6 @@ class ProfileArguments:
 def _parse_rungs(value: Any) -> tuple[str, ...]:
     """``[int8, bf16]`` (a list), ``"int8,bf16"`` (the command line) or ``"bf16"`` -> ``("int8", "bf16")``,
     cheapest first; a one-line ``RecipeError`` for anything else."""
-    from gnmr_hf.planning.ladder import RUNGS
-
     items = [str(v).strip() for v in value] if isinstance(value, (list, tuple)) else \
         [v.strip() for v in str(value).split(",")] if isinstance(value, str) else None
     if not items or any(v not in RUNGS for v in items) or len(set(items)) != len(items):

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from gnmr_hf._import_utils import require
 from gnmr_hf.backends.base import active_units, set_active_units
 from gnmr_hf.backends.dispatch import PREQUANTISED, prepare_dual_path, prequantised
+from gnmr_hf.calibrated_init import calibrated_lora_init
+from gnmr_hf.loftq import replace_lora_weights_loftq
 from gnmr_hf.offline.gguf_models import model_name, resolve_model
 from gnmr_hf.recipe import (
     GNMR_PRECISIONS,
@@ -65,8 +68,6 @@ def quantization_config(script: ScriptArguments, sharded: bool = False):
     bitsandbytes document for FSDP + QLoRA)."""
     if script.precision == "bf16":
         return None
-    from gnmr_hf._import_utils import require
-
     require("bitsandbytes", f"precision: {script.precision}")
     from transformers import BitsAndBytesConfig
 
@@ -152,8 +153,6 @@ def kept_default(model, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> 
 def loftq_init(recipe: Recipe, model, model_path: str, planned: dict[str, Any] | None) -> dict[str, Any]:
     """``lora_init: loftq``, after the plan: its linears run on BF16 (no quantisation residual) and keep the
     default init. Returns run.json's ``loftq`` record."""
-    from gnmr_hf.loftq import replace_lora_weights_loftq
-
     args = recipe.training
     t0 = time.time()
     skip = list((planned or {}).get("modules") or [])
@@ -178,8 +177,6 @@ def calibrated_init(recipe: Recipe, model, model_path: str, planned: dict[str, A
     plans), on the inputs of the model it trains (the planned linears on their rungs). Returns run.json's
     ``calibrated_init`` record."""
     from transformers import DataCollatorForSeq2Seq
-
-    from gnmr_hf.calibrated_init import calibrated_lora_init
 
     args = recipe.training
     bs = args.per_device_train_batch_size

@@ -26,6 +26,7 @@ from gnmr_hf.backends.base import dual_path_modules
 from gnmr_hf.backends.dispatch import prepare_dual_path
 from gnmr_hf.core.controller import init_steps_from_fraction
 from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
+from gnmr_hf.planning import memory_budget
 from gnmr_hf.planning.ladder import _check_same_model
 from gnmr_hf.planning.make import make_plan, plan_budget, plan_gains, plan_prices, precision_plan
 from gnmr_hf.planning.passes import _units
@@ -226,8 +227,6 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
     ``model`` is set to those rungs (``prepare_dual_path(..., rungs=...)``) and the planned linears run on them at
     every step (``StaticPolicy``). Writes ``{output_dir}/profile.json`` with the ``rungs`` mapping that
     ``gnmr_hf.load_planned(model_path, profile.json)`` serves from stock bitsandbytes modules."""
-    from gnmr_hf.planning import memory_budget
-
     prof, script = recipe.profile, recipe.script
     t0 = time.time()
     prices, budget, _ = _priced(recipe, model, model_path, prof.rungs)

@@ -23,25 +23,40 @@ MAX_FUNCTION_LINES = 100
 SCRIPT_LINES = {"recipes/finetune.py": 450}
 
 # files over their line limit while they are being split: path -> issue
-LONG_FILES = {
-    "gnmr_hf/demo.py": 59,
-}
+LONG_FILES: dict[str, int] = {}
 # functions over 100 lines while they are being broken up: "path::qualified name" -> issue
-LONG_FUNCTIONS = {
-    "gnmr_hf/demo.py::_run": 59,
-    "gnmr_hf/planning/planner.py::plan": 59,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 
-# the parts of the package checked for import circles and function-local imports (the rest is still being
-# restructured under issue 59: gnmr_hf/planning, gnmr_hf/recipe*.py, gnmr_hf/export*.py, backends/recovery.py)
-CHECKED_PARTS = ("gnmr_hf.core", "gnmr_hf.evaluation", "gnmr_hf.trainer", "gnmr_hf.reporting", "gnmr_hf.sparse",
-                 "gnmr_hf.offline", "gnmr_hf.backends.base", "gnmr_hf.backends.bnb_4bit", "gnmr_hf.backends.bnb_int8",
-                 "gnmr_hf.backends.dispatch", "gnmr_hf.backends.mx", "gnmr_hf.backends.act_quant",
-                 "gnmr_hf.backends.checkpoint")
-# function-local package imports that stay, each for an optional dependency the imported module loads at its top:
-# "module -> imported module" -> why
+#: modules other work of issue 59 is changing right now (issue 59, being changed now): left out of the circle and
+#: function-local import checks until that work lands; drop this set then
+BEING_CHANGED = {"gnmr_hf.demo", "gnmr_hf.planning.ladder", "gnmr_hf.planning.profile_run", "gnmr_hf.planning.make",
+                 "gnmr_hf.planning.criteria"}
+#: the parts of the package checked for import circles and function-local imports: every top-level module and
+#: subpackage (a new one is checked without a line here), less BEING_CHANGED
+CHECKED_PARTS = tuple(sorted(f"gnmr_hf.{p.stem}" for p in PACKAGE.iterdir()
+                             if ((p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file())
+                             and f"gnmr_hf.{p.stem}" not in BEING_CHANGED))
+# function-local package imports that stay, each for an optional dependency the imported module loads at its top
+# (or, for an entry point's --help, torch): "module -> imported module" -> why
+_EXPORT_HELP = "torch (the planning package loads its planner at its top): keeps `gnmr-hf export --help` torch-free"
+_CLI_HELP = "keeps `gnmr-hf --help` at the standard library's import cost (the command's checks load when it runs)"
 LOCAL_IMPORTS = {
     "gnmr_hf.evaluation.loading -> gnmr_hf.backends.bnb_4bit": "bitsandbytes (the [bnb] extra)",
+    "gnmr_hf.recipe_model -> gnmr_hf.backends.bnb_4bit": "bitsandbytes (the [bnb] extra)",
+    "gnmr_hf.planning.cli -> gnmr_hf.recipe": "transformers (the [train] extra): gnmr-hf profile names a missing "
+                                              "extra in one line before it loads one",
+    "gnmr_hf.cli -> gnmr_hf.preflight": _CLI_HELP,
+    "gnmr_hf.cli -> gnmr_hf._import_utils": _CLI_HELP,
+    "gnmr_hf.export_folder -> gnmr_hf.planning.plan": _EXPORT_HELP,
+    "gnmr_hf.export_folder -> gnmr_hf.planning.ladder": _EXPORT_HELP,
+    "gnmr_hf.export_folder -> gnmr_hf.evaluation.evaluate": _EXPORT_HELP,
+    "gnmr_hf.exports.bitsandbytes -> gnmr_hf.planning.groups": _EXPORT_HELP,
+    "gnmr_hf.exports.bitsandbytes -> gnmr_hf.planning.plan": _EXPORT_HELP,
+    "gnmr_hf.exports.compressed_tensors -> gnmr_hf.export_ct": _EXPORT_HELP,
+    "gnmr_hf.export_gguf -> gnmr_hf.planning.groups": "torch (the planning package): keeps `python -m "
+                                                      "gnmr_hf.export_gguf --help` torch-free",
+    "gnmr_hf.export_gguf -> gnmr_hf.planning.plan": "torch (the planning package): keeps `python -m "
+                                                    "gnmr_hf.export_gguf --help` torch-free",
 }
 
 
@@ -198,8 +213,24 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _within(module: str, parts) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in parts)
+
+
 def _checked(module: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in CHECKED_PARTS)
+    """True for the modules the circle and local-import checks hold to: the package face and its parts, less
+    :data:`BEING_CHANGED`."""
+    return (module == "gnmr_hf" or _within(module, CHECKED_PARTS)) and not _within(module, BEING_CHANGED)
+
+
+def test_the_checks_reach_every_module_but_those_being_changed():
+    graph, _ = _graph()
+    assert len(CHECKED_PARTS) > 20 and "gnmr_hf.planning" in CHECKED_PARTS and "gnmr_hf.recipe" in CHECKED_PARTS
+    unchecked = sorted(m for m in graph if not _checked(m))
+    assert unchecked and all(_within(m, BEING_CHANGED) for m in unchecked), unchecked
+    assert _checked("gnmr_hf.planning.plan") and not _checked("gnmr_hf.planning.ladder")
+    gone = sorted(b for b in BEING_CHANGED if not any(_within(m, [b]) for m in graph))
+    assert gone == [], f"no such module any more: remove them from BEING_CHANGED: {gone}"
 
 
 def test_the_circle_finder_sees_a_circle_through_any_kind_of_import():
@@ -216,8 +247,8 @@ def test_the_circle_finder_sees_a_circle_through_any_kind_of_import():
 @pytest.mark.parametrize("part", CHECKED_PARTS)
 def test_no_import_circle_through_these_parts(part):
     graph, _ = _graph()
-    assert any(_checked(m) and (m == part or m.startswith(part + ".")) for m in graph), part  # the part exists
-    circles = [c for c in _circles(graph) if any(m == part or m.startswith(part + ".") for m in c)]
+    assert any(_checked(m) and _within(m, [part]) for m in graph), part  # the part exists
+    circles = [c for c in _circles(graph) if any(_checked(m) and _within(m, [part]) for m in c)]
     assert circles == [], f"import circles (top-level, function-local or TYPE_CHECKING imports): {circles}"
 
 

@@ -21,6 +21,7 @@ from gnmr_hf.export_folder import (
     staged_output,
 )
 from gnmr_hf.exports.card import _heldout_batches, model_card, source_name
+from gnmr_hf.memory import model_bytes, predict_model_bytes
 
 QUANTS = ("nf4", "fp4", "int8")
 TARGETS = ("vllm", "transformers")  # which server's module names the skip list is written for
@@ -220,8 +221,6 @@ def _check_against_model(model_path: Path, skips: list[str], profile: dict[str, 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gnmr_hf.memory import predict_model_bytes
-
     # the plan must name this model's linears: every entry selects exactly one module, under both rules
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
@@ -256,8 +255,6 @@ def _write_folder(tmp: Path, model_path: Path, entries: list[str], quant: str, a
     tokenizer into ``tmp``; returns the folder's kind and what the model holds (``gnmr_hf.memory.model_bytes``)."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from gnmr_hf.memory import model_bytes
 
     if merge:
         import peft

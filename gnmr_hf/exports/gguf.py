@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gnmr_hf.export_gguf import export_gguf
+
 
 def check_options(args) -> str | None:
     """The first option that does not apply to ``--format gguf``, as a one-line reason."""
@@ -30,8 +32,6 @@ def check_options(args) -> str | None:
 
 def run(args, model_path: str) -> dict[str, Any]:
     """:func:`gnmr_hf.export_gguf.export_gguf` with the command's options."""
-    from gnmr_hf.export_gguf import export_gguf
-
     return export_gguf(model_path, args.plan, args.output, adapter=args.adapter, low_type=args.low_type or "Q4_0",
                        uniform=args.uniform, force=args.force)
 

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 # parse_budget lives in gnmr_hf.memory (no torch there): gnmr-hf profile checks --budget before its heavy imports
-from gnmr_hf.memory import parse_budget  # noqa: F401  (re-exported: gnmr_hf.planning.parse_budget)
+from gnmr_hf.memory import (
+    extra_bytes_over_low,
+    parse_budget,  # noqa: F401  (re-exported: gnmr_hf.planning.parse_budget)
+    parse_memory_budget,
+    predict_model_bytes,
+    weight_bytes,
+)
 from gnmr_hf.planning.results import _fmt, _pct
 
 if TYPE_CHECKING:
@@ -35,8 +41,6 @@ def memory_budget(text: str, model_path: str | os.PathLike, modules: Sequence[st
     Raises:
         ValueError: the budget names another low path than ``low`` (one line).
     """
-    from gnmr_hf.memory import parse_memory_budget
-
     parsed = parse_memory_budget(str(text))
     if parsed is None:
         return None
@@ -52,8 +56,6 @@ def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: 
     """``{"low", "low_model_bytes", "bf16_per_over_byte"}``: the all-low model's bytes as a stock load stores it,
     and the quantised linears' BF16 bytes per byte they cost over ``low``, all of them together (a display ratio
     for tables and plots of plans priced in BF16 bytes; no plan is chosen by it)."""
-    from gnmr_hf.memory import extra_bytes_over_low, predict_model_bytes
-
     meta = _meta_model(model_path)
     mods = dict(meta.named_modules())
     missing = [m for m in modules if m not in mods]
@@ -80,8 +82,6 @@ def rung_price(numel: int, rows: int, rung: str, low: str = "nf4", double_quant:
     """What a linear of ``numel`` weights and ``rows`` output rows adds to the served model on ``rung`` (``bf16``:
     its BF16 weight; ``int8``: bitsandbytes' int8 weight and FP32 row scales) over storing it in ``low``, quant
     states counted (``gnmr_hf.memory.weight_bytes``)."""
-    from gnmr_hf.memory import weight_bytes
-
     return (weight_bytes(numel, rows, rung).total
             - weight_bytes(numel, rows, low, double_quant=double_quant).total)
 
@@ -97,8 +97,6 @@ def served_budget(text: str, low_model_bytes: int, all_bf16_price: int, low: str
     Raises:
         ValueError: a budget that is not one of these forms, or memory over another low path (one line).
     """
-    from gnmr_hf.memory import parse_memory_budget
-
     memory = parse_memory_budget(str(text), lows=("nf4", "fp4", "int8", "int4"))
     if memory is not None:
         fraction, cur = memory

@@ -11,10 +11,14 @@ from typing import Any
 
 import torch
 
-from gnmr_hf.memory import parse_budget
+from gnmr_hf._import_utils import require
+from gnmr_hf.memory import parse_budget, parse_memory_budget
+from gnmr_hf.offline.gguf_models import MODELS, resolve_model
+from gnmr_hf.offline.text_data import read_text_file
 from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, _criteria
 from gnmr_hf.planning.profile_int4 import INT4_POINTS, run_int4  # noqa: F401  (INT4_POINTS re-exported)
 from gnmr_hf.planning.profile_run import PRICE_POINTS, ProfileError, examples, run_bnb  # noqa: F401
+from gnmr_hf.reporting.report import OneLineErrorParser
 
 # ------------------------------------------------------------------------------------------ CLI
 
@@ -38,8 +42,6 @@ In Python: BitsAndBytesConfig(load_in_4bit=True, ..., llm_int8_skip_modules=json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gnmr_hf.reporting.report import OneLineErrorParser
-
     p = OneLineErrorParser(
         prog="gnmr-hf profile",
         description="Profile which quantised linears are worth keeping on BF16 (a few batches of the training "
@@ -135,7 +137,7 @@ def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
     """The recipe's configuration (its data, templates, batch size and LoRA), read by :mod:`gnmr_hf.recipe` as
     ``recipes/finetune.py`` reads it. The default generated training set is written under ``scratch`` (a
     temporary folder), not the output folder."""
-    from gnmr_hf.recipe import RecipeError, load_config, recipes_folder
+    from gnmr_hf.recipe import RecipeError, load_config, recipes_folder  # transformers (the [train] extra)
 
     try:
         recipe_file = Path(args.recipe) if args.recipe else _default_recipe(recipes_folder(), args)
@@ -155,8 +157,6 @@ def _load_recipe(args: argparse.Namespace, out: Path, scratch: Path):
 
 
 def _text_batches(path: Path, tokenizer, n_batches: int, batch_size: int, seq_len: int) -> list[dict[str, Any]]:
-    from gnmr_hf.offline.text_data import read_text_file
-
     ids = tokenizer(read_text_file(path))["input_ids"]  # strict UTF-8: a Latin-1 file is one line, not U+FFFD
     chunks = [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)]
     chunks = [c for c in chunks if len(c) > 1][: n_batches * batch_size]
@@ -179,7 +179,7 @@ def _record_batches(recipe, tokenizer, n_batches: int, batch_size: int, out: Pat
     collated as the recipe's Trainer collates them."""
     from transformers import DataCollatorForSeq2Seq
 
-    from gnmr_hf.recipe import RecipeError, training_rows
+    from gnmr_hf.recipe import RecipeError, training_rows  # transformers (the [train] extra)
 
     try:
         rows, _ = training_rows(recipe.script, tokenizer, out, limit=n_batches * batch_size)
@@ -229,8 +229,6 @@ _examples = examples  # the former name
 
 def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Every flag checked before anything is loaded (one :class:`ProfileError` line); returns the criteria."""
-    from gnmr_hf.memory import parse_memory_budget
-
     int4 = args.low == "int4"
     memory = parse_memory_budget(args.budget, lows=_LOW)  # "+10%nf4", "+10%int4": priced once the model is known
     if memory is not None and memory[1] == "int4" and not int4:
@@ -261,8 +259,6 @@ def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _model_folder(args: argparse.Namespace) -> Path:
-    from gnmr_hf.offline.gguf_models import MODELS, resolve_model
-
     try:
         model_path = Path(resolve_model(args.model))
     except FileNotFoundError as e:
@@ -326,8 +322,6 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from gnmr_hf._import_utils import require
-
     int4 = args.low == "int4"
     for pkg in ("transformers", "peft", "datasets") if int4 else ("transformers", "bitsandbytes", "peft", "datasets"):
         require(pkg, "gnmr-hf profile")

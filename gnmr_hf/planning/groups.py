@@ -32,6 +32,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
+from gnmr_hf.backends.base import DualPathModule
+from gnmr_hf.backends.checkpoint import canonical_name
+from gnmr_hf.units import unwrap_model
+
 #: what vLLM fuses, per transformers architecture: fused module -> its members (vLLM's packed_modules_mapping)
 _LLAMA_STYLE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 VLLM_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
@@ -76,20 +82,12 @@ def architecture_of(model: Any) -> str:
     archs = getattr(model, "architectures", None)
     if archs and not hasattr(model, "named_modules"):
         return str(archs[0])
-    from gnmr_hf.units import unwrap_model
-
     return type(unwrap_model(model)).__name__
 
 
 def decoder_linears(model: Any) -> list[str]:
     """The linears inside the decoder layers of ``model`` (plain, bitsandbytes, PEFT-wrapped or dual-path),
     by their transformers names (``model.layers.3.self_attn.v_proj``), in module order."""
-    from torch import nn
-
-    from gnmr_hf.backends.base import DualPathModule
-    from gnmr_hf.backends.checkpoint import canonical_name
-    from gnmr_hf.units import unwrap_model
-
     out: dict[str, None] = {}
     for name, m in unwrap_model(model).named_modules():
         name = canonical_name(name)

@@ -12,7 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gnmr_hf.planning.groups import INT4_PROFILE  # noqa: F401  (the refusal's words, re-exported)
+from gnmr_hf.planning.groups import (
+    INT4_PROFILE,  # noqa: F401  (the refusal's words, re-exported)
+    decoder_linears,
+)
+from gnmr_hf.planning.ladder import LadderUnit
 
 
 def weight_fake_quant(weight, num_bits: int, group_size: int | None = None):
@@ -58,8 +62,6 @@ def fake_quantize_model(model, rungs: Mapping[str, str], group_size: int = 128, 
     cast it (``.float()``) to compute in FP32. Returns ``model``."""
     import torch
 
-    from gnmr_hf.planning.groups import decoder_linears
-
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name in linears if linears is not None else decoder_linears(model):
@@ -102,9 +104,6 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
         feed them to ``choose_rungs`` (with the serving groups for vLLM).
     """
     import torch
-
-    from gnmr_hf.planning.groups import decoder_linears
-    from gnmr_hf.planning.ladder import LadderUnit
 
     names = list(linears) if linears is not None else decoder_linears(model)
     modules = dict(model.named_modules())

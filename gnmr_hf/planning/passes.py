@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gnmr_hf.backends.base import DualPathModule, dual_path_modules
+from gnmr_hf.backends.checkpoint import canonical_name
 from gnmr_hf.units import UnitSpec, find_decoder_layers, resolve_units, short_name, unwrap_model
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -31,8 +33,6 @@ class _Unit:
 
 
 def _units(model: nn.Module, units: UnitSpec) -> list[_Unit]:
-    from gnmr_hf.backends.base import dual_path_modules
-    from gnmr_hf.backends.checkpoint import canonical_name
 
     resolved = resolve_units(model, units)
     base = unwrap_model(model)
@@ -228,8 +228,6 @@ def _head_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None] |
         return None
     if decoder is None or decoder is base or not isinstance(head, nn.Module) or getattr(head, "weight", None) is None:
         return None
-    from gnmr_hf.backends.base import DualPathModule
-
     # a criterion's hook on a dual-path head expects one call on every position; a checkpointed chunk calls twice
     if any(isinstance(m, DualPathModule) or m._forward_hooks or m._forward_pre_hooks for m in head.modules()):
         return None

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gnmr_hf.memory import parse_memory_budget
+from gnmr_hf.planning.groups import INT4_PROFILE
 from gnmr_hf.planning.profile_format import check_profile_dict
 from gnmr_hf.rungs import get_rung, planned_rungs
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
@@ -59,6 +61,17 @@ PLAN_FILE = "profile.json"
 
 class PlanError(ValueError):
     """A plan file that cannot be read as a plan, or a plan asked for what it cannot give (one line)."""
+
+
+def skip_list(modules: Sequence[str], keep: Sequence[str]) -> list[str]:
+    """The ``llm_int8_skip_modules`` order: ``keep`` first (a given list replaces transformers' default, which keeps
+    ``lm_head``), then ``modules``, each name once (:func:`gnmr_hf.planning.skiplist.skip_modules` and
+    :meth:`Plan.skip_modules` both write it)."""
+    out: list[str] = []
+    for name in [*keep, *modules]:
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def plan_file(path: str | os.PathLike) -> Path:
@@ -159,8 +172,6 @@ class Plan:
         """``self``, or one :class:`PlanError` line when the plan is over INT4 (``who``: what refuses it, e.g.
         ``"load_planned loads bitsandbytes low paths"``)."""
         if self.is_int4:
-            from gnmr_hf.planning.groups import INT4_PROFILE
-
             raise PlanError(f"{self.source or 'the plan'} was {INT4_PROFILE}" + (f" ({who})" if who else ""))
         return self
 
@@ -183,11 +194,9 @@ class Plan:
         """The ``llm_int8_skip_modules`` list of a stock ``BitsAndBytesConfig``: the kept modules, then the
         planned linears (:func:`gnmr_hf.planning.skiplist.skip_modules`). A plan with INT8 rungs or over INT4 has
         none (:class:`PlanError`): no stock bitsandbytes checkpoint mixes 4- and 8-bit linears."""
-        from gnmr_hf.planning.skiplist import skip_modules
-
         self._require_bnb("a skip list")
-        return skip_modules([n for n, r in self.rungs.items() if r == "bf16" and n not in self.keep_modules],
-                            keep=self.keep_modules or ["lm_head"])
+        return skip_list([n for n, r in self.rungs.items() if r == "bf16" and n not in self.keep_modules],
+                         keep=self.keep_modules or ["lm_head"])
 
     def bnb_config(self, compute_dtype: Any = None, double_quant: bool = False, **kwargs: Any):
         """The stock ``BitsAndBytesConfig`` that loads this plan: ``low`` (4-bit ``nf4``/``fp4`` or 8-bit) with
@@ -232,8 +241,6 @@ class Plan:
     def _require_bnb(self, what: str) -> None:
         where = f"{self.source} " if self.source else "the plan "
         if self.is_int4:
-            from gnmr_hf.planning.groups import INT4_PROFILE
-
             raise PlanError(f"{where}was {INT4_PROFILE} (it has no {what})")
         int8 = self.on("int8")
         if int8:
@@ -497,8 +504,6 @@ def _ladder_row(data: dict[str, Any], rung_set: tuple[str, ...]) -> dict[str, An
     budget = data.get("budget")
     if not isinstance(table, dict) or not isinstance(table.get("rows"), list) or not isinstance(budget, str):
         return None
-    from gnmr_hf.memory import parse_memory_budget
-
     try:
         memory = parse_memory_budget(budget)
     except ValueError:

@@ -14,10 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from gnmr_hf.backends.base import active_units
 from gnmr_hf.planning.criteria import GAIN_SCORES
-from gnmr_hf.planning.groups import ServingGroup, architecture_of, purchase_totals, purchases, serving_groups
+from gnmr_hf.planning.groups import (
+    ServingGroup,
+    architecture_of,
+    purchase_totals,
+    purchases,
+    serving_groups,
+    split_groups,
+)
 from gnmr_hf.planning.passes import _batch_digest, _loss, _prepare_batches, _set_path, _Unit, _units
-from gnmr_hf.planning.results import SensitivityProfile, _fmt, _is_int, _json_safe
+from gnmr_hf.planning.plan import PLAN_FILE, PlanError
+from gnmr_hf.planning.plan import plan_file as _plan_file
+from gnmr_hf.planning.results import SensitivityProfile, _fmt, _is_int, _json_safe, _pct
 from gnmr_hf.planning.skiplist import skip_modules
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
 from gnmr_hf.units import UnitSpec
@@ -301,9 +311,6 @@ def require_groups(plan_file: str | os.PathLike | dict[str, Any], groups: str) -
     if isinstance(plan_file, dict):
         data, shown = plan_file, "the plan"
     else:
-        from gnmr_hf.planning.plan import PLAN_FILE, PlanError
-        from gnmr_hf.planning.plan import plan_file as _plan_file
-
         path = Path(plan_file)
         shown = str(path / PLAN_FILE if path.is_dir() else path)
         try:
@@ -381,32 +388,8 @@ def plan(
             that do not fit it (one line naming the linears found; a ValueError).
     """
     name = profile._score_name(criterion)
-    if priced_in not in PRICES:
-        raise ValueError(f"priced_in={priced_in!r}: one of {PRICES} (BF16 bytes, or the bytes the model's recovery "
-                         "path holds)")
-    info = None
-    if model is not None:
-        info = _units(model, units)
-        _check_same_units(profile, info)
-        held = held_unit_bytes(info)
-    else:
-        held = _recorded_held(profile)
-    if priced_in == "held":
-        if held is None:
-            raise ValueError("priced_in='held' prices the bytes the model's recovery path holds: give the model "
-                             "(plan(..., model=model)), or a profile from profile_sensitivity, which records them")
-        sizes = held
-    else:
-        sizes = [u.bytes for u in profile.units]
-    if groups is None:
-        budget = _budget(sizes, [u.name for u in profile.units], budget_bytes, budget_fraction)
-        chosen = greedy_select(profile.scores(name), sizes, budget)
-    else:
-        buys, buy_names = unit_purchases(profile, serving_layout(groups, model=model, profile=profile))
-        buy_sizes = purchase_totals(buys, sizes)
-        budget = _budget(buy_sizes, buy_names, budget_bytes, budget_fraction)
-        picks = greedy_select(purchase_totals(buys, profile.scores(name)), buy_sizes, budget)
-        chosen = sorted(i for b in picks for i in buys[b])
+    sizes, held = _unit_prices(profile, priced_in, model, units)
+    budget, chosen = _choose(profile, name, sizes, budget_bytes, budget_fraction, groups, model)
     gain_score = name if name in GAIN_SCORES else next((s for s in GAIN_SCORES if s in profile.score_names), None)
     predicted = None if gain_score is None else sum(profile.units[i].scores[gain_score] for i in chosen)
     gap = profile.gap
@@ -418,18 +401,62 @@ def plan(
         predicted_gap_closed=None if predicted is None or gap == 0 else predicted / gap, gain_score=gain_score,
         keep_modules=list(profile.keep_modules), priced_in=priced_in,
         held_bytes=None if held is None else sum(held[i] for i in chosen), groups=groups)
-    if model is not None:
-        if batches is not None:
-            prepared, counts = _prepare_batches(model, batches)
-            _check_same_batches(profile, prepared, counts)
-            ref = (profile.losses["low"], profile.losses["high"])
-            result.measured["profile"] = measure_plan(model, chosen, prepared, reference=ref, units=units)
-        if heldout is not None:
-            result.measured["heldout"] = measure_plan(model, chosen, heldout, reference=heldout_reference,
-                                                      units=units)
-    elif batches is not None or heldout is not None:
-        raise ValueError("measuring a plan needs the model: plan(..., model=model, batches=...)")
+    _measure_into(result, profile, model, batches, heldout, heldout_reference, units)
     return result
+
+
+def _unit_prices(profile: SensitivityProfile, priced_in: str, model: nn.Module | None,
+                 units: UnitSpec) -> tuple[list[int], list[int] | None]:
+    """:func:`plan`'s price of each profiled unit in ``priced_in``, and the bytes each holds on the model's recovery
+    path (None when neither the model nor the profile says); the model's units are checked against the profile's."""
+    if priced_in not in PRICES:
+        raise ValueError(f"priced_in={priced_in!r}: one of {PRICES} (BF16 bytes, or the bytes the model's recovery "
+                         "path holds)")
+    if model is not None:
+        info = _units(model, units)
+        _check_same_units(profile, info)
+        held = held_unit_bytes(info)
+    else:
+        held = _recorded_held(profile)
+    if priced_in != "held":
+        return [u.bytes for u in profile.units], held
+    if held is None:
+        raise ValueError("priced_in='held' prices the bytes the model's recovery path holds: give the model "
+                         "(plan(..., model=model)), or a profile from profile_sensitivity, which records them")
+    return held, held
+
+
+def _choose(profile: SensitivityProfile, name: str, sizes: list[int], budget_bytes: int | None,
+            budget_fraction: float | None, groups: str | None, model: nn.Module | None) -> tuple[int, list[int]]:
+    """:func:`plan`'s budget in bytes and the units it buys, greedy by ``name``'s score per byte: unit by unit, or
+    whole serving groups (``groups``)."""
+    if groups is None:
+        budget = _budget(sizes, [u.name for u in profile.units], budget_bytes, budget_fraction)
+        return budget, greedy_select(profile.scores(name), sizes, budget)
+    buys, buy_names = unit_purchases(profile, serving_layout(groups, model=model, profile=profile))
+    buy_sizes = purchase_totals(buys, sizes)
+    budget = _budget(buy_sizes, buy_names, budget_bytes, budget_fraction)
+    picks = greedy_select(purchase_totals(buys, profile.scores(name)), buy_sizes, budget)
+    return budget, sorted(i for b in picks for i in buys[b])
+
+
+def _measure_into(result: PrecisionPlan, profile: SensitivityProfile, model: nn.Module | None,
+                  batches: Iterable[dict[str, Any]] | None, heldout: Iterable[dict[str, Any]] | None,
+                  heldout_reference: tuple[float, float] | None, units: UnitSpec) -> None:
+    """:func:`plan`'s measurement of its chosen set into ``result.measured``: on the profile's own ``batches`` (checked
+    against the profile's; its L_low and L_high reused) and on ``heldout``."""
+    if model is None:
+        if batches is not None or heldout is not None:
+            raise ValueError("measuring a plan needs the model: plan(..., model=model, batches=...)")
+        return
+    if batches is not None:
+        prepared, counts = _prepare_batches(model, batches)
+        _check_same_batches(profile, prepared, counts)
+        ref = (profile.losses["low"], profile.losses["high"])
+        result.measured["profile"] = measure_plan(model, result.indices, prepared, reference=ref, units=units)
+    if heldout is not None:
+        result.measured["heldout"] = measure_plan(model, result.indices, heldout, reference=heldout_reference,
+                                                  units=units)
 
 
 def measure_plan(
@@ -462,8 +489,6 @@ def measure_plan(
                 raise ValueError(f"the plan is not for this model: its unit {i} is {name}, the model's is {info[i].name}")
     prepared, counts = _prepare_batches(model, batches)
     weights = [n / sum(counts) for n in counts]
-    from gnmr_hf.backends.base import active_units
-
     start = active_units(model, [(u.name, u.module) for u in info])
     was_training = model.training
     model.eval()
@@ -515,8 +540,6 @@ def format_grouping_table(free: Sequence[PrecisionPlan], grouped: Sequence[Preci
     row what the constraint cost: grouped minus free gap closed. ``free[i]`` and ``grouped[i]`` are plans of
     one profile at one budget; ``over_low`` (:func:`gnmr_hf.planning.budget.memory_budget`'s record) adds
     each plan's memory over the all-low model."""
-    from gnmr_hf.planning.groups import split_groups
-    from gnmr_hf.planning.results import _pct
 
     if len(free) != len(grouped):
         raise ValueError(f"{len(free)} free plan(s) against {len(grouped)} grouped: one of each per budget")

@@ -23,6 +23,7 @@ from gnmr_hf.planning.ladder import _loss
 from gnmr_hf.planning.make import layout_of, make_plan, plan_budget, plan_gains, plan_prices
 from gnmr_hf.planning.plan import PlanError
 from gnmr_hf.planning.profile_run import ProfileError, examples, noise_floor
+from gnmr_hf.planning.profiler import model_identity
 
 #: --low int4's price points: memory over the uniform W4A16 folder
 INT4_POINTS = (0.05, 0.10, 0.25)
@@ -196,8 +197,6 @@ def _print(rows, w4a16: int, gs: int, low, high, n_batches: int, layout, tokens:
 
 def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_row, kind, budget, low, high, batches,
            heldout, dtype, started) -> None:
-    from gnmr_hf.planning.profiler import model_identity
-
     gs = prices.group_size
     w4a16 = prices.low_model_bytes
     chosen = main_row["rungs"]

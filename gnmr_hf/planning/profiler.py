@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from gnmr_hf.backends.base import active_units
+from gnmr_hf.backends.checkpoint import CheckpointIndex
 from gnmr_hf.offline.gguf_models import model_name
 from gnmr_hf.planning.criteria import _RUNNERS, DEFAULT_CRITERION, _criteria, _reference
 from gnmr_hf.planning.passes import _batch_digest, _device, _keep_modules, _prepare_batches, _set_path, _units
@@ -58,8 +60,6 @@ def profile_sensitivity(
     prepared, counts = _prepare_batches(model, batches)
     total = sum(counts)
     weights = [n / total for n in counts]
-    from gnmr_hf.backends.base import active_units
-
     resolved = [(u.name, u.module) for u in info]
     start = active_units(model, resolved)
     was_training = model.training
@@ -133,8 +133,6 @@ def model_identity(model_path: str | os.PathLike) -> dict[str, Any]:
     """
     import torch
     from safetensors import safe_open
-
-    from gnmr_hf.backends.checkpoint import CheckpointIndex
 
     index = CheckpointIndex(model_path)
     heads = {}

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # names for the hints only: the planner imports this module, never the other way round
-    from gnmr_hf.planning.planner import PrecisionPlan
-    from gnmr_hf.planning.results import SensitivityProfile
+from gnmr_hf.planning.plan import skip_list
+from gnmr_hf.planning.results import SensitivityProfile
 
 
-def skip_modules(chosen: PrecisionPlan | SensitivityProfile | Sequence[str], keep: Sequence[str] | None = None) -> list[str]:
+class ChosenLinears(Protocol):
+    """What :func:`skip_modules` reads of a plan: a :class:`gnmr_hf.planning.planner.PrecisionPlan` has both (the
+    planner imports this module, so this module names it by its fields)."""
+
+    modules: Sequence[str]
+    keep_modules: Sequence[str]
+
+
+def skip_modules(chosen: ChosenLinears | SensitivityProfile | Sequence[str], keep: Sequence[str] | None = None) -> list[str]:
     """The ``llm_int8_skip_modules`` list that loads exactly the planned linears unquantised.
 
     Use it with a stock ``BitsAndBytesConfig(load_in_4bit=True, ..., llm_int8_skip_modules=list)`` (or
@@ -26,19 +33,12 @@ def skip_modules(chosen: PrecisionPlan | SensitivityProfile | Sequence[str], kee
         keep: modules to keep unquantised besides the plan's (default: the plan's ``keep_modules``, i.e.
             what transformers keeps when no list is given; ``[]`` for none).
     """
-    from gnmr_hf.planning.results import SensitivityProfile
-
     if isinstance(chosen, SensitivityProfile):
         raise TypeError("skip_modules takes a plan: skip_modules(gnmr_hf.plan(profile, budget_fraction=0.1))")
     elif hasattr(chosen, "modules") and hasattr(chosen, "keep_modules"):  # a PrecisionPlan (read by its fields,
         modules, default_keep = list(chosen.modules), chosen.keep_modules  # so this module imports no planner)
     else:
         modules, default_keep = [str(m) for m in chosen], ["lm_head"]
-    keep = list(default_keep if keep is None else keep)
-    out = []
-    for name in keep + modules:
-        if name not in out:
-            out.append(name)
-    return out
+    return skip_list(modules, default_keep if keep is None else keep)
 
 
