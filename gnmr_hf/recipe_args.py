@@ -17,8 +17,8 @@ from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
 from gnmr_hf.hardware import auto_compute_dtype
 from gnmr_hf.memory import parse_memory_budget
 from gnmr_hf.planning import CRITERIA, parse_budget
-from gnmr_hf.planning.ladder import RUNGS
 from gnmr_hf.planning.planner import GROUPINGS
+from gnmr_hf.rungs import planned_rungs
 
 GENERATED = "generated-arithmetic"
 TEXT = "text:"  # dataset: text:PATH, plain text (a file, a folder or a glob): gnmr_hf.offline.text_data
@@ -331,13 +331,16 @@ class ProfileArguments:
 
 def _parse_rungs(value: Any) -> tuple[str, ...]:
     """``[int8, bf16]`` (a list), ``"int8,bf16"`` (the command line) or ``"bf16"`` -> ``("int8", "bf16")``,
-    cheapest first; a one-line ``RecipeError`` for anything else."""
+    cheapest first; any rung registered as a planned rung (:func:`gnmr_hf.rungs.planned_rungs`: the stock ``int8``
+    and ``bf16`` and any a user registers) is taken; a one-line ``RecipeError`` naming the registered ones for
+    anything else."""
+    registered = planned_rungs()
     items = [str(v).strip() for v in value] if isinstance(value, (list, tuple)) else \
         [v.strip() for v in str(value).split(",")] if isinstance(value, str) else None
-    if not items or any(v not in RUNGS for v in items) or len(set(items)) != len(items):
-        raise RecipeError(f"profile.rungs must be a non-empty list of distinct rungs from {', '.join(RUNGS)} "
-                          f"(e.g. [int8, bf16]), got {value!r}")
-    return tuple(r for r in RUNGS if r in items)
+    if not items or any(v not in registered for v in items) or len(set(items)) != len(items):
+        raise RecipeError(f"profile.rungs must be a non-empty list of distinct rungs from {', '.join(registered)} "
+                          f"(the registered ones; e.g. [int8, bf16]), got {value!r}")
+    return tuple(r for r in registered if r in items)
 
 
 @dataclass

@@ -188,6 +188,25 @@ def test_a_registered_format_is_offered_and_an_unknown_rung_refused(toy, tmp_pat
         Plan(rungs={"model.layers.0.mlp.up_proj": TOY}, rung_set=(TOY,)).skip_modules()
 
 
+def test_a_recipe_names_a_registered_rung_and_refuses_an_unknown_one_listing_the_registered(toy):
+    from gnmr_hf.recipe import RecipeError, load_config, recipes_folder
+
+    ladder_yaml = str(recipes_folder() / "smollm2-135m" / "planned-ladder-nf4.yaml")
+    cfg = load_config(["--config", ladder_yaml, "--profile.rungs", f"bf16,{TOY}"])
+    # taken as registered, in the registry's order (cheapest per weight first), and planned as a ladder
+    assert cfg.profile.rungs == tuple(r for r in planned_rungs() if r in (TOY, "bf16")) and TOY in cfg.profile.rungs
+    assert cfg.profile.ladder and cfg.profile.given["rungs"] == "on the command line"
+    with pytest.raises(RecipeError, match=rf"rungs from int8, {TOY}, bf16 .*'fp8'|rungs from {TOY}, int8, bf16 .*'fp8'"):
+        load_config(["--config", ladder_yaml, "--profile.rungs", "fp8"])
+    unregister_rung(TOY)
+    try:  # once unregistered, the recipe refuses it in one line that names the rungs still registered
+        with pytest.raises(RecipeError, match=rf"distinct rungs from int8, bf16 .*'{TOY},bf16'") as e:
+            load_config(["--config", ladder_yaml, "--profile.rungs", f"{TOY},bf16"])
+        assert "\n" not in str(e.value)
+    finally:
+        register_rung(toy[0])
+
+
 @pytest.mark.parametrize("rows, cols, group", [(576, 576, 64), (1536, 576, 64), (256, 512, 128)])
 def test_the_stock_rungs_bytes_are_the_formats_own(rows, cols, group):
     """Each stock rung's bytes are what its format stores: the INT4 rung's what a compressed-tensors folder holds
