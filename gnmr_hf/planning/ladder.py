@@ -15,6 +15,9 @@ error is spread over many linears, INT8 on three may buy more than BF16 on one.
   ``fill=True`` spends what it leaves unspent on INT8 -> BF16 upgrades (:func:`fill_upgrades`).
 - :func:`load_planned`: the mixed model from stock modules: ``Linear4bit`` (or ``Linear8bitLt``) for
   the low linears, ``Linear8bitLt`` for the INT8 rungs, plain BF16 ``nn.Linear`` for the BF16 rungs.
+- :func:`ladder_table`: each rung set's plan at each budget and its measured loss, every plan swapped into one
+  loaded low model in place (:func:`gnmr_hf.planning.rung_swap.swap_rungs`, the modules :func:`load_planned`
+  loads) instead of a load per plan.
 
 Serving: a checkpoint with both 4-bit and 8-bit linears is not something stock transformers loads from
 one ``quantization_config`` (one ``load_in_4bit`` / ``load_in_8bit`` per model), so ``gnmr-hf export``
