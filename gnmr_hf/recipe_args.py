@@ -16,9 +16,8 @@ from transformers import TrainingArguments
 from gnmr_hf.core.controller import GNMRConfig, init_steps_from_fraction
 from gnmr_hf.hardware import auto_compute_dtype
 from gnmr_hf.memory import parse_memory_budget
-from gnmr_hf.planning import CRITERIA, parse_budget
+from gnmr_hf.planning import CRITERIA, parse_budget, planned_rungs
 from gnmr_hf.planning.planner import GROUPINGS
-from gnmr_hf.rungs import planned_rungs
 
 GENERATED = "generated-arithmetic"
 TEXT = "text:"  # dataset: text:PATH, plain text (a file, a folder or a glob): gnmr_hf.offline.text_data
@@ -332,7 +331,7 @@ class ProfileArguments:
 def _parse_rungs(value: Any) -> tuple[str, ...]:
     """``[int8, bf16]`` (a list), ``"int8,bf16"`` (the command line) or ``"bf16"`` -> ``("int8", "bf16")``,
     cheapest first; any rung registered as a planned rung (:func:`gnmr_hf.rungs.planned_rungs`: the stock ``int8``
-    and ``bf16`` and any a user registers) is taken; a one-line ``RecipeError`` naming the registered ones for
+    and ``bf16`` and any a user registers; :mod:`gnmr_hf.planning` re-exports it) is taken; a one-line ``RecipeError`` naming the registered ones for
     anything else."""
     registered = planned_rungs()
     items = [str(v).strip() for v in value] if isinstance(value, (list, tuple)) else \

@@ -82,6 +82,7 @@ from gnmr_hf.planning.planner import (
 from gnmr_hf.planning.profiler import profile_sensitivity
 from gnmr_hf.planning.results import FORMAT_VERSION, SensitivityProfile, UnitScore
 from gnmr_hf.planning.skiplist import skip_modules
+from gnmr_hf.rungs import planned_rungs  # re-exported: the rungs a plan may put a linear on (the registry's)
 
 __all__ = [
     "CRITERIA",
@@ -107,6 +108,7 @@ __all__ = [
     "plan_budget",
     "plan_gains",
     "plan_prices",
+    "planned_rungs",
     "profile_sensitivity",
     "random_sets",
     "skip_modules",
