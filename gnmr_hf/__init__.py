@@ -39,6 +39,11 @@ _LAZY = {
     "Plan": "gnmr_hf.planning",
     "make_plan": "gnmr_hf.planning",
     "PlanError": "gnmr_hf.planning",
+    # a new precision or export format from the user's own code: register_rung(Rung(...)), register_format(...)
+    "Rung": "gnmr_hf.rungs",
+    "register_rung": "gnmr_hf.rungs",
+    "ExportFormat": "gnmr_hf.exports",
+    "register_format": "gnmr_hf.exports",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -54,6 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gnmr_hf.core.controller import GNMRConfig, GNMRController
     from gnmr_hf.core.policies import HybridPolicy, StaticPolicy
     from gnmr_hf.export import export_planned
+    from gnmr_hf.exports import ExportFormat, register_format
     from gnmr_hf.offline.gguf_models import gemma3_checkpoint
     from gnmr_hf.offline.smollm2 import smollm2_checkpoint
     from gnmr_hf.planning import (
@@ -68,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
         skip_modules,
     )
     from gnmr_hf.planning.ladder import load_planned
+    from gnmr_hf.rungs import Rung, register_rung
     from gnmr_hf.trainer.callback import GNMRCallback, attach
     from gnmr_hf.training import prepare_for_training
     from gnmr_hf.units import find_decoder_layers

@@ -207,6 +207,35 @@ def test_a_recipe_names_a_registered_rung_and_refuses_an_unknown_one_listing_the
         register_rung(toy[0])
 
 
+def test_a_registered_rung_is_priced_by_its_own_bytes_everywhere(toy):
+    from gnmr_hf.planning.budget import rung_price
+    from gnmr_hf.planning.int4 import ct_rung_prices, ct_tensor_bytes
+
+    rows, cols = 64, 128
+    own = 64 * 128 + 2 * 64  # toy_bytes: a byte a code, a BF16 scale a row
+    assert rung_price(rows * cols, rows, TOY, low="nf4") == own - weight_bytes(rows * cols, rows, "nf4").total
+    assert ct_tensor_bytes({"w": (rows, cols, False)}, {"w": TOY}, 0) == own  # no format_bytes: its own bytes
+    # compressed-tensors offers the planned rungs that have a scheme there: the toy rung registers none
+    assert set(ct_rung_prices(rows, cols)) == {"int8", "bf16"}
+    with_scheme = register_rung(Rung(TOY, toy_bytes, exports={"compressed-tensors": "W8A16"}, planned=True), replace=True)
+    try:
+        assert ct_rung_prices(rows, cols)[TOY] == own - ct_tensor_bytes({"w": (rows, cols, False)}, {}, 0)
+    finally:
+        register_rung(toy[0], replace=True)
+    assert with_scheme is not toy[0] and get_rung(TOY) is toy[0]
+
+
+def test_the_package_face_offers_both_registrations():
+    import gnmr_hf
+    import gnmr_hf.exports
+    import gnmr_hf.rungs
+
+    assert {"register_rung", "Rung", "register_format", "ExportFormat"} <= set(gnmr_hf.__all__)
+    assert gnmr_hf.register_rung is gnmr_hf.rungs.register_rung is register_rung and gnmr_hf.Rung is Rung
+    assert gnmr_hf.register_format is gnmr_hf.exports.register_format is register_format
+    assert gnmr_hf.ExportFormat is ExportFormat
+
+
 @pytest.mark.parametrize("rows, cols, group", [(576, 576, 64), (1536, 576, 64), (256, 512, 128)])
 def test_the_stock_rungs_bytes_are_the_formats_own(rows, cols, group):
     """Each stock rung's bytes are what its format stores: the INT4 rung's what a compressed-tensors folder holds
@@ -216,8 +245,15 @@ def test_the_stock_rungs_bytes_are_the_formats_own(rows, cols, group):
     from gnmr_hf.planning.int4 import ct_tensor_bytes
 
     n = rows * cols
+    # compressed-tensors' pack-quantized layout worked out by hand: int32 words of 32 // bits codes along a row, a
+    # BF16 scale per group (W4A16) or per row (W8A16), the int64 weight_shape (two values)
+    w4a16 = 4 * rows * (cols // 8) + 2 * rows * (cols // group) + 2 * 8
+    w8a16 = 4 * rows * (cols // 4) + 2 * rows + 2 * 8
     assert get_rung("int4").bytes(n, rows, group_size=group).total == ct_tensor_bytes({"w": (rows, cols, False)}, {}, 0,
-                                                                                      group)
+                                                                                      group) == w4a16
+    # the INT8 rung as compressed-tensors writes it (its format_bytes), not as bitsandbytes holds it
+    assert get_rung("int8").bytes_in("compressed-tensors", n, rows).total == w8a16 != get_rung("int8").bytes(n, rows).total
+    assert ct_tensor_bytes({"w": (rows, cols, True)}, {"w": "int8"}, 7, group) == w8a16 + 2 * rows + 2 * 7
     assert get_rung("bf16").bytes(n, rows).total == ct_tensor_bytes({"w": (rows, cols, False)}, {"w": "bf16"}, 0) == 2 * n
     assert get_rung("int8").bytes(n, rows) == LinearBytes(n, 4 * rows)
     assert get_rung("nf4").bytes(n, rows) == get_rung("fp4").bytes(n, rows) == LinearBytes(n // 2, 4 * (n // 64) + 64)

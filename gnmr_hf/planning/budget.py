@@ -62,7 +62,7 @@ def over_low_prices(model_path: str | os.PathLike, modules: Sequence[str], low: 
     if missing:
         raise ValueError(f"{len(missing)} quantised linear(s) not in {model_path}'s config, e.g. {missing[0]}")
     low_total = predict_model_bytes(meta, list(modules), low, double_quant=double_quant)["total"]
-    bf16 = {m: mods[m].weight.numel() * 2 for m in modules}
+    bf16 = {m: weight_bytes(mods[m].weight.numel(), mods[m].weight.shape[0], "bf16").total for m in modules}
     price = {m: extra_bytes_over_low(mods[m].weight.numel(), mods[m].weight.shape[0], low, double_quant=double_quant)
              for m in modules}
     return {"low": low, "low_model_bytes": low_total, "bf16_per_over_byte": sum(bf16.values()) / sum(price.values())}

@@ -17,6 +17,7 @@ from gnmr_hf.planning.groups import (
     decoder_linears,
 )
 from gnmr_hf.planning.ladder import LadderUnit
+from gnmr_hf.rungs import get_rung, planned_rungs
 
 
 def weight_fake_quant(weight, num_bits: int, group_size: int | None = None):
@@ -74,10 +75,13 @@ def fake_quantize_model(model, rungs: Mapping[str, str], group_size: int = 128, 
 
 
 def ct_rung_prices(out_features: int, in_features: int, group_size: int = 128) -> dict[str, int]:
-    """Bytes each rung of one linear costs in the folder over its W4A16 form (:func:`ct_tensor_bytes`, bias aside)."""
+    """Bytes each planned rung with a compressed-tensors scheme (the registry's: the stock INT8 and BF16, and any a
+    user registers with one) costs one linear in the folder over its W4A16 form (:func:`ct_tensor_bytes`, bias
+    aside)."""
     shape = {"x": (out_features, in_features, False)}
     low = ct_tensor_bytes(shape, {}, 0, group_size)
-    return {r: ct_tensor_bytes(shape, {"x": r}, 0, group_size) - low for r in ("int8", "bf16")}
+    return {r: ct_tensor_bytes(shape, {"x": r}, 0, group_size) - low for r in planned_rungs()
+            if "compressed-tensors" in get_rung(r).exports}
 
 
 def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | None = None) -> list[Any]:
@@ -160,16 +164,15 @@ def ct_tensor_bytes(shapes: Mapping[str, tuple[int, int, bool]], rungs: Mapping[
     """The bytes of the tensors a compressed-tensors folder stores (safetensors data, headers aside): per
     quantised linear its int32-packed codes, BF16 scales (one per group, or per row for INT8) and int64
     ``weight_shape``; unquantised linears, biases and every other parameter (``other_params``, tied ones once)
-    in BF16. ``rungs`` as in :func:`fake_quantize_model` (``{}``: uniform W4A16)."""
+    in BF16. ``rungs`` as in :func:`fake_quantize_model` (``{}``: uniform W4A16). Each linear's bytes are its
+    rung's in the registry as this format stores it (:meth:`gnmr_hf.rungs.Rung.bytes_in`; ``int4`` for the low
+    ones), so a registered rung is priced here as everywhere else."""
     total = 2 * other_params
+    low = get_rung("int4")
     for name, (out_f, in_f, bias) in shapes.items():
-        rung = rungs.get(name, "low")
+        rung = low if rungs.get(name, "low") == "low" else get_rung(rungs[name])
         total += 2 * out_f if bias else 0
-        if rung == "bf16":
-            total += 2 * out_f * in_f
-            continue
-        bits, scales = (8, out_f) if rung == "int8" else (4, out_f * (in_f // group_size))
-        total += 4 * out_f * -(-in_f * bits // 32) + 2 * scales + 16
+        total += rung.bytes_in("compressed-tensors", out_f * in_f, out_f, group_size=group_size).total
     return total
 
 

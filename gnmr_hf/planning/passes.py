@@ -16,6 +16,7 @@ from torch import nn
 
 from gnmr_hf.backends.base import DualPathModule, dual_path_modules
 from gnmr_hf.backends.checkpoint import canonical_name
+from gnmr_hf.rungs import get_rung
 from gnmr_hf.units import UnitSpec, find_decoder_layers, resolve_units, short_name, unwrap_model
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -60,11 +61,12 @@ def _units(model: nn.Module, units: UnitSpec) -> list[_Unit]:
 
 
 def _bf16_bytes(m: nn.Module) -> int:
+    """A unit linear's price: its weight on the BF16 rung (the registry's bytes, as every price)."""
     out_f, in_f = getattr(m, "out_features", None), getattr(m, "in_features", None)
     if out_f is None or in_f is None:
         w = m._gnmr_source.stored if hasattr(m, "_gnmr_source") and m._gnmr_source.stored is not None else m.weight
         out_f, in_f = w.shape[0], w.shape[-1]
-    return int(out_f) * int(in_f) * 2
+    return get_rung("bf16").bytes(int(out_f) * int(in_f), int(out_f)).total
 
 
 def _keep_modules(model: nn.Module) -> list[str]:

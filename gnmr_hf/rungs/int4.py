@@ -14,10 +14,17 @@ from typing import Any
 from gnmr_hf.rungs.registry import LinearBytes, Rung, register_rung
 
 
+def packed_bytes(rows: int, cols: int, bits: int, scales: int) -> LinearBytes:
+    """The tensors a compressed-tensors folder stores for one pack-quantized linear of ``rows`` x ``cols``: its
+    ``bits``-bit codes packed into int32 words along each row, ``scales`` BF16 scales and the int64
+    ``weight_shape``."""
+    return LinearBytes(4 * rows * -(-cols * bits // 32) + 2 * scales + 16, 0)
+
+
 def int4_bytes(numel: int, rows: int, *, group_size: int = 128, **_: Any) -> LinearBytes:
     """The tensors a compressed-tensors folder stores for one W4A16 linear of ``numel`` weights in ``rows`` rows."""
     cols = numel // rows
-    return LinearBytes(4 * rows * -(-cols * 4 // 32) + 2 * rows * (cols // group_size) + 16, 0)
+    return packed_bytes(rows, cols, 4, rows * (cols // group_size))
 
 
 RUNG = register_rung(Rung("int4", int4_bytes, exports={"compressed-tensors": "W4A16"}, low=True,

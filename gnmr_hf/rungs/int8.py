@@ -12,12 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from gnmr_hf.rungs.int4 import packed_bytes
 from gnmr_hf.rungs.registry import LinearBytes, Rung, register_rung
 
 
 def int8_bytes(numel: int, rows: int, **_: Any) -> LinearBytes:
     """``numel`` int8 weights (a parameter) and one float32 scale per row (``SCB``, beside the footprint)."""
     return LinearBytes(numel, 4 * rows)
+
+
+def w8a16_bytes(numel: int, rows: int, **_: Any) -> LinearBytes:
+    """What a compressed-tensors folder stores for one linear on this rung (``W8A16``: int8 codes packed four to an
+    int32, one BF16 scale per row, the ``weight_shape``)."""
+    return packed_bytes(rows, numel // rows, 8, rows)
 
 
 def int8_linear(weight, threshold: float = 6.0):
@@ -50,5 +57,6 @@ def int8_rowwise_fake_quant(weight):
 
 
 RUNG = register_rung(Rung("int8", int8_bytes, fake_quant=int8_rowwise_fake_quant, module=int8_module,
-                          exports={"compressed-tensors": "W8A16"}, low=True, planned=True,
+                          exports={"compressed-tensors": "W8A16"}, format_bytes={"compressed-tensors": w8a16_bytes},
+                          low=True, planned=True,
                           doc="LLM.int8: int8 weights, one FP32 scale per row"))

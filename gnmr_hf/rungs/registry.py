@@ -14,6 +14,9 @@ A rung is everything the package needs to know about one precision, in one place
 - ``exports``: export format name -> how that format writes a linear on this rung (the format's own value:
   ``"skip"`` for bitsandbytes' skip list, a scheme name for compressed-tensors); a format refuses a plan with a
   rung it has no entry for;
+- ``format_bytes``: export format name -> the bytes that format stores a linear on this rung in, where its layout
+  is not the one ``bytes`` counts (compressed-tensors writes the INT8 rung as W8A16: BF16 row scales and a
+  ``weight_shape``, where bitsandbytes holds FP32 ones); :meth:`Rung.bytes_in` reads it, else ``bytes``;
 - ``low`` / ``planned``: whether the rung can be a plan's low format (every unplanned linear on it) and
   whether a plan can put a linear on it (a rung above the low format).
 
@@ -55,6 +58,7 @@ class Rung:
     fake_quant: Callable[[Any], Any] | None = None
     module: Callable[..., Any] | None = None
     exports: Mapping[str, Any] = field(default_factory=dict)
+    format_bytes: Mapping[str, Callable[..., LinearBytes]] = field(default_factory=dict)
     low: bool = False
     planned: bool = False
     doc: str = ""
@@ -63,6 +67,11 @@ class Rung:
         """What one linear of ``numel`` weights in ``rows`` rows costs on this rung over ``low`` (whole state)."""
         base = get_rung(low) if isinstance(low, str) else low
         return self.bytes(numel, rows, **kw).total - base.bytes(numel, rows, **kw).total
+
+    def bytes_in(self, fmt: str, numel: int, rows: int, **kw: Any) -> LinearBytes:
+        """What export format ``fmt`` stores for one linear of ``numel`` weights in ``rows`` rows on this rung: its
+        ``format_bytes[fmt]`` when it registers one, else :attr:`bytes`."""
+        return self.format_bytes.get(fmt, self.bytes)(numel, rows, **kw)
 
     def per_weight(self, **kw: Any) -> float:
         """Bytes a weight of a large linear (2**24 weights in one row: the per-row and per-table terms vanish)."""
