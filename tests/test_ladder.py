@@ -376,3 +376,23 @@ def test_rung_gains_form_logits_only_at_target_positions(tiny_llama_dir, ids, mo
     # and the loss it differentiates is the model's own
     with torch.no_grad():
         assert float(passes._loss(model, batch)) == pytest.approx(float(model(**batch).loss), rel=1e-5)
+
+
+def test_swap_rungs_puts_every_module_back_on_an_error(tiny_llama_dir):
+    from gnmr_hf.planning.rung_swap import CheckpointLinears, swap_rungs
+    from gnmr_hf.rungs import RungError
+
+    model = ladder._stock_low(tiny_llama_dir, "nf4", torch.float32)
+    before = dict(model.named_modules())
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.up_proj"]
+    weights = CheckpointLinears(tiny_llama_dir, names)
+    with swap_rungs(model, weights, {names[0]: "int8"}, torch.float32):
+        assert isinstance(model.get_submodule(names[0]), bnb.nn.Linear8bitLt)  # swapped while inside
+    # the second rung is unknown: the first, already swapped, goes back all the same
+    with pytest.raises(RungError), swap_rungs(model, weights, {names[0]: "bf16", names[1]: "nope"}, torch.float32):
+        pass
+    after = dict(model.named_modules())
+    assert after.keys() == before.keys() and all(after[n] is m for n, m in before.items())
+    with pytest.raises(ValueError, match="not linears of the model"):
+        with swap_rungs(model, weights, {"model.layers.0.mlp": "bf16"}, torch.float32):
+            pass
