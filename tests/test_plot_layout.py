@@ -21,7 +21,7 @@ from tests.conftest import load_bench  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-DEMO_TITLE = "SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems (BF16 vs INT8)"  # gnmr_hf/demo.py
+DEMO_TITLE = "SmolLM2-135M-Instruct LoRA on generated GSM8K-style problems (BF16 vs INT8)"  # gnmr_hf/demo/report.py (draw_plots)
 
 
 def _fits(figs):
