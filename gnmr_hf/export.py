@@ -74,6 +74,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 )
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 from gnmr_hf.offline.gguf_models import resolve_model
+from gnmr_hf.serving import EXPORT_TARGETS
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
 FORMATS = ("bitsandbytes", "compressed-tensors", "gguf")
@@ -103,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="compressed-tensors: the INT4 group size (default: an int4 profile's own, else 128, vLLM's "
                    "W4A16 preset; another than an int4 profile's is refused; it must divide "
                    "every INT4 linear's input size, e.g. 64 for SmolLM2's 576)")
-    p.add_argument("--target", default="vllm", choices=TARGETS,
-                   help="vllm (default): a folder vLLM and transformers load (a plan that splits a fused q/k/v or "
-                   "gate/up group is refused); transformers: transformers only, any plan")
+    p.add_argument("--target", default="vllm", choices=EXPORT_TARGETS,
+                   help="vllm (default; also vllm-gpu): a folder vLLM and transformers load (a plan that splits a "
+                   "fused q/k/v or gate/up group is refused); vllm-cpu (compressed-tensors): vLLM's CPU build, "
+                   "which has no W8A16 kernel (a plan with INT8 rungs is refused, with the price of the BF16 "
+                   "alternative); transformers: transformers only, any plan")
     p.add_argument("--double-quant", action="store_true", help="bitsandbytes 4-bit: quantise the scales too")
     p.add_argument("--adapter", default=None, help="a PEFT adapter folder: copied beside the model (adapter/) for "
                    "bitsandbytes, merged into the BF16 weights before quantising for compressed-tensors")

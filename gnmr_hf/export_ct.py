@@ -74,10 +74,12 @@ from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's qu
 )
 from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.rungs import planned_rungs
+from gnmr_hf.serving import EXPORT_TARGETS, serve_target
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
 SCHEMES = {"low": "W4A16", "int8": "W8A16", "bf16": "BF16"}
-TARGETS = ("vllm", "transformers")
+#: ``vllm`` is vLLM on CUDA (``vllm-gpu``, every scheme); ``vllm-cpu`` vLLM's CPU build (W4A16 and BF16 only)
+TARGETS = EXPORT_TARGETS
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 SERVE_EXTRA = "the compressed-tensors export needs the serve extra: pip install 'gnmr_hf[serve]' (compressed-tensors)"
@@ -158,7 +160,7 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
         where = f"the input size of {short[0]} ({modules[short[0]].in_features})" if short else "positive sizes"
         raise ExportError(f"group_size {group_size} does not divide {where}: {fix}")
     groups = None
-    if target == "vllm":
+    if target.startswith("vllm"):
         try:
             groups = serving_groups(meta, linears)
         except ServingLayoutError as e:
@@ -170,6 +172,14 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
                               "(gnmr_hf.planning.groups), or export with target='transformers' for a transformers-only "
                               "folder")
     shapes, other = ct_shapes(meta, linears)
+    if target == "vllm-cpu" and "int8" in rungs.values():
+        as_bf16 = {n: "bf16" if r == "int8" else r for n, r in rungs.items()}
+        w4, mine, cpu = (ct_tensor_bytes(shapes, r, other, group_size) for r in ({}, rungs, as_bf16))
+        n = sum(r == "int8" for r in rungs.values())
+        raise ExportError(f"vllm-cpu: vLLM's CPU build has no W8A16 kernel ({serve_target('vllm-cpu').evidence}), "
+                          f"and the plan puts {n} linear(s) on INT8: it loads on vllm-gpu (+{100 * (mine / w4 - 1):.1f} "
+                          f"% over uniform W4A16) or, with those linears on BF16, on vllm-cpu at "
+                          f"+{100 * (cpu / w4 - 1):.1f} %; plan for the CPU with gnmr-hf profile --serve vllm-cpu")
     return rungs, linears, shapes, other, groups
 
 
@@ -202,7 +212,8 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
             plan's own for a plan profiled against this export's INT4 (``gnmr-hf profile --low int4`` records
             ``group_size``; another explicit size is refused), else 128 (vLLM's preset).
         force: replace an earlier export at ``out_dir``.
-        target: ``"vllm"`` (refuses a plan that splits a fused group) or ``"transformers"`` (allows it).
+        target: ``"vllm"`` / ``"vllm-gpu"`` (refuses a plan that splits a fused group), ``"vllm-cpu"`` (also
+            refuses INT8 rungs: vLLM's CPU build has no W8A16 kernel) or ``"transformers"`` (allows both).
         measured: figures for the model card (e.g. ``{"held-out loss": 2.31}``), measured by the caller.
 
     Returns:
@@ -371,7 +382,11 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike) -> str:
         lines += [f"- {k}: {v}" for k, v in summary["measured"].items()] + [""]
     else:
         lines += ["Loss: not measured by the export; score the folder with `gnmr-hf eval --model FOLDER`.", ""]
-    if summary["target"] == "transformers":
+    if summary["target"] == "vllm-cpu":
+        lines += ["Served by vLLM's CPU build (`vllm serve FOLDER`: compressed-tensors, its W4A16 kernel "
+                  "CPUWNA16; BF16 linears unquantised) and by vLLM on CUDA; q/k/v and gate/up of each layer share "
+                  "one scheme, as vLLM's fused modules need.", ""]
+    elif summary["target"] == "transformers":
         lines += ["**For transformers only**: the plan puts members of a group vLLM fuses (q/k/v, gate/up) on "
                   "different schemes, which vLLM refuses or mis-assigns.", ""]
     else:

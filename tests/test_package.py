@@ -249,12 +249,13 @@ LAYERS = {
     "training": set(),  # prepare_for_training: transformers/PEFT-level, nothing of the package
     # reads profile.json, prices, resolves aliases; its CLI's --format compressed-tensors calls export_ct (which
     # imports export's ExportError back at its top: export imports export_ct only inside main())
-    "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json", "exports", "rungs"},
+    "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json", "exports", "rungs",
+               "serving"},
     # what both exports share: the output-folder contract (paths only), the published model name (the alias list) and
     # check_sources, which calls load_planned's plan check and eval's adapter check (inside the function)
     "export_folder": {"offline", "planning", "evaluation"},
     # the compressed-tensors export: the bitsandbytes export's errors, the serving groups, the rung names
-    "export_ct": {"export_folder", "planning", "backends", "strict_json", "rungs"},
+    "export_ct": {"export_folder", "planning", "backends", "strict_json", "rungs", "serving"},
     "export_gguf": {"offline", "planning", "export_folder", "strict_json", "memory"},  # the GGUF export (llama.cpp)
     "loftq": {"loftq", "units"},  # PEFT's LoftQ with its device line patched; unit names for skip=
     "calibrated_init": {"calibrated_init", "loftq", "units"},  # closed-form output-error LoRA init (CLoQ / QERA)
@@ -276,6 +277,7 @@ LAYERS = {
     # the export dispatcher: one file per format (bitsandbytes, compressed-tensors, gguf) and the model card
     "exports": {"exports", "export_folder", "export_ct", "export_gguf", "planning", "memory", "offline", "rungs",
                 "strict_json"},
+    "serving": set(),  # the serving targets: which server serves which rung (data and one-line checks)
     "strict_json": set(),  # the one reader of plan / profile JSON files (a key named twice is refused)
 }
 

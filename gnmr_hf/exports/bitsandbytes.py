@@ -314,6 +314,9 @@ def check_options(args) -> str | None:
     """The first ``gnmr-hf export`` option that does not apply to this format, as a one-line reason."""
     if args.group_size is not None:
         return "--group-size is the compressed-tensors INT4 group: add --format compressed-tensors"
+    if args.target not in TARGETS:
+        return (f"--target {args.target} is a compressed-tensors target (vLLM's W4A16 kernels); a bitsandbytes "
+                f"folder is written for {' or '.join(TARGETS)}: add --format compressed-tensors")
     return None
 
 

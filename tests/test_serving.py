@@ -1,0 +1,96 @@
+"""Serving targets (gnmr_hf.serving): which server serves which rung, and the export's refusal of a plan its
+target cannot load, with the price of what would load instead (issue 60, item 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from gnmr_hf.export import ExportError  # noqa: E402
+from gnmr_hf.export import main as export_main  # noqa: E402
+from gnmr_hf.export_ct import ct_shapes, ct_tensor_bytes, export_compressed_tensors  # noqa: E402
+from gnmr_hf.planning.groups import decoder_linears  # noqa: E402
+from gnmr_hf.serving import TARGETS, ServeError, check_plan, serve_target, unserved  # noqa: E402
+
+L0 = "model.layers.0."
+LAYER0 = [L0 + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = tmp_path_factory.mktemp("llama") / "base"
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_the_targets_say_what_they_serve_and_where_that_was_seen():
+    assert serve_target("vllm") is serve_target("vllm-gpu")  # the export's older name
+    assert serve_target("vllm-cpu").rungs == ("bf16",) and serve_target("vllm-gpu").rungs == ("int8", "bf16")
+    assert all(t.groups == "vllm" for n, t in TARGETS.items() if n.startswith("vllm"))
+    assert all(t.evidence.startswith(("run here", "read, not run")) for t in TARGETS.values())
+    with pytest.raises(ServeError, match="one of vllm-gpu, vllm-cpu, transformers, gguf, bitsandbytes"):
+        serve_target("tgi")
+    assert unserved({"a": "int8", "b": "bf16", "c": "int8"}, serve_target("vllm-cpu")) == {"int8": 2}
+    check_plan({"a": "bf16"}, "int4", serve_target("vllm-cpu"))  # served: no error
+    with pytest.raises(ServeError, match=r"2 linear\(s\) on int8, which vllm-cpu does not serve"):
+        check_plan({"a": "int8", "b": "int8"}, "int4", serve_target("vllm-cpu"))
+    with pytest.raises(ServeError, match="over nf4, which vllm-cpu does not serve"):
+        check_plan({}, "nf4", serve_target("vllm-cpu"))
+
+
+def test_an_int8_plan_for_vllm_cpu_is_refused_with_the_price_of_what_would_load(llama, tmp_path):
+    plan = dict.fromkeys(LAYER0, "int8")
+    out = tmp_path / "cpu"
+    with pytest.raises(ExportError) as e:
+        export_compressed_tensors(llama, plan, out, group_size=32, target="vllm-cpu")
+    msg = str(e.value)
+    assert "\n" not in msg and not out.exists()  # one line, nothing written
+    # the two prices, worked out from the shapes: 7 linears of 128/256 wide, INT8 against BF16
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    linears = decoder_linears(model)
+    shapes, other = ct_shapes(model, linears)
+    w4 = ct_tensor_bytes(shapes, {}, other, 32)
+    as_int8 = ct_tensor_bytes(shapes, plan, other, 32)
+    as_bf16 = ct_tensor_bytes(shapes, dict.fromkeys(LAYER0, "bf16"), other, 32)
+    assert as_bf16 > as_int8 > w4  # the BF16 alternative really costs more
+    assert f"+{100 * (as_int8 / w4 - 1):.1f} % over uniform W4A16" in msg
+    assert f"on vllm-cpu at +{100 * (as_bf16 / w4 - 1):.1f} %" in msg
+    assert "mixed_precision/cpu.py" in msg and "7 linear(s) on INT8" in msg
+    # the same plan loads for the CUDA target, and its BF16 form for the CPU one
+    s_gpu = export_compressed_tensors(llama, plan, tmp_path / "gpu", group_size=32, target="vllm-gpu")
+    s_cpu = export_compressed_tensors(llama, dict.fromkeys(LAYER0, "bf16"), out, group_size=32, target="vllm-cpu")
+    assert s_gpu["schemes"] == {"W4A16": 7, "W8A16": 7, "BF16": 0}
+    assert s_cpu["schemes"] == {"W4A16": 7, "W8A16": 0, "BF16": 7} and s_cpu["target"] == "vllm-cpu"
+    assert s_cpu["tensor_bytes"] == as_bf16 and s_gpu["tensor_bytes"] == as_int8
+    assert "vLLM's CPU build" in (out / "README.md").read_text()
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert not any("W8A16" in json.dumps(g) or g.get("weights", {}).get("num_bits") == 8
+                   for g in cfg["config_groups"].values())
+
+
+def test_the_cpu_target_keeps_vllm_s_fused_groups(llama, tmp_path):
+    with pytest.raises(ExportError, match="splits 1 serving group"):
+        export_compressed_tensors(llama, {L0 + "self_attn.q_proj": "bf16"}, tmp_path / "x", group_size=32,
+                                  target="vllm-cpu")
+
+
+def test_the_cli_takes_the_cpu_target_and_refuses_it_for_bitsandbytes(llama, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"rungs": dict.fromkeys(LAYER0, "int8")}))
+    rc = export_main(["--model", str(llama), "--plan", str(plan), "--output", str(tmp_path / "o"),
+                      "--format", "compressed-tensors", "--group-size", "32", "--target", "vllm-cpu"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "no W8A16 kernel" in err and not (tmp_path / "o").exists()
+    rc = export_main(["--model", str(llama), "--plan", str(plan), "--output", str(tmp_path / "b"),
+                      "--target", "vllm-cpu"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--target vllm-cpu is a compressed-tensors target" in err and not (tmp_path / "b").exists()
