@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compressed-tensors: the INT4 group size (default: an int4 profile's own, else 128, vLLM's "
                    "W4A16 preset; another than an int4 profile's is refused; it must divide "
                    "every INT4 linear's input size, e.g. 64 for SmolLM2's 576)")
-    p.add_argument("--target", default="vllm", choices=EXPORT_TARGETS,
-                   help="vllm (default; also vllm-gpu): a folder vLLM and transformers load (a plan that splits a "
+    p.add_argument("--target", default=None, choices=EXPORT_TARGETS,
+                   help="default: the plan's own (gnmr-hf profile --serve), else vllm. vllm (also vllm-gpu): a folder vLLM and transformers load (a plan that splits a "
                    "fused q/k/v or gate/up group is refused); vllm-cpu (compressed-tensors): vLLM's CPU build, "
                    "which has no W8A16 kernel (a plan with INT8 rungs is refused, with the price of the BF16 "
                    "alternative); transformers: transformers only, any plan")

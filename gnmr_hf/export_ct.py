@@ -198,7 +198,7 @@ def _safetensors_bytes(folder: Path) -> int:
 
 def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.PathLike | Mapping[str, str],
                               out_dir: str | os.PathLike, adapter: str | os.PathLike | None = None,
-                              group_size: int | None = None, force: bool = False, target: str = "vllm",
+                              group_size: int | None = None, force: bool = False, target: str | None = None,
                               measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write ``model_path`` (with ``adapter`` merged) as a compressed-tensors folder at the plan's rungs.
 
@@ -212,7 +212,8 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
             plan's own for a plan profiled against this export's INT4 (``gnmr-hf profile --low int4`` records
             ``group_size``; another explicit size is refused), else 128 (vLLM's preset).
         force: replace an earlier export at ``out_dir``.
-        target: ``"vllm"`` / ``"vllm-gpu"`` (refuses a plan that splits a fused group), ``"vllm-cpu"`` (also
+        target: None (the default): the plan's own serving target (``gnmr-hf profile --serve``) where it
+            names one of these, else ``"vllm"``. ``"vllm"`` / ``"vllm-gpu"`` (refuses a plan that splits a fused group), ``"vllm-cpu"`` (also
             refuses INT8 rungs: vLLM's CPU build has no W8A16 kernel) or ``"transformers"`` (allows both).
         measured: figures for the model card (e.g. ``{"held-out loss": 2.31}``), measured by the caller.
 
@@ -225,7 +226,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
         ExportError / OutputFolderError: bad input, in one line, before anything is written.
     """
     _require_compressed_tensors()
-    if target not in TARGETS:
+    if target is not None and target not in TARGETS:
         raise ExportError(f"target {target!r}: one of {', '.join(TARGETS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
         raise ExportError(f"group_size must be an integer, got {group_size!r}")
@@ -233,6 +234,8 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     check_model_folder(model_path)
     rungs, loaded = _read_plan(plan)
     data, plan_path = (loaded.data, loaded.source) if loaded else ({}, None)
+    if target is None:
+        target = loaded.serve if loaded is not None and loaded.serve in TARGETS else "vllm"
     group_size, profiled = _profiled_against(loaded, group_size)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")

@@ -261,7 +261,8 @@ LAYERS = {
     "calibrated_init": {"calibrated_init", "loftq", "units"},  # closed-form output-error LoRA init (CLoQ / QERA)
     # the planner: criteria over the dual path; its CLI reads the recipes' data through gnmr_hf.offline.recipe_data
     # (not the demo, not recipes/finetune.py by path), prints the ladder's table and prices budgets in memory
-    "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe", "strict_json", "rungs"},
+    "planning": {"planning", "units", "backends", "core", "offline", "reporting", "_import_utils", "memory", "recipe", "strict_json", "rungs",
+                 "serving"},
     # the recipe format and its data (recipes/finetune.py and gnmr-hf profile read it): criteria names and budget
     # currencies from the planner's criteria/budget modules, which import nothing of it back
     "recipe": {"recipe", "recipe_args", "core", "planning", "memory", "offline", "hardware"},

@@ -94,3 +94,72 @@ def test_the_cli_takes_the_cpu_target_and_refuses_it_for_bitsandbytes(llama, tmp
                       "--target", "vllm-cpu"])
     err = capsys.readouterr().err
     assert rc != 0 and "--target vllm-cpu is a compressed-tensors target" in err and not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------ gnmr-hf profile --serve: the plan for its server
+
+import random  # noqa: E402
+
+from gnmr_hf.planning.plan import Plan, PlanError  # noqa: E402
+from tests.conftest import make_tiny_llama  # noqa: E402
+from tests.test_profile_faults_r3 import WORDS, tiny_tokenizer  # noqa: E402
+from tests.test_profile_int4 import GS, _base, _profile  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("serve") / "model", num_layers=2, hidden=64)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    r = random.Random(0)
+    path = tmp_path_factory.mktemp("docs") / "docs.txt"
+    path.write_text("\n".join(" ".join(r.choice(WORDS) for _ in range(40)) for _ in range(4)))
+    return path
+
+
+def test_a_plan_records_its_target_and_refuses_what_the_target_cannot_load(tmp_path):
+    p = Plan({"model.layers.0.mlp.down_proj": "bf16"}, low="int4", group_size=64, groups="vllm", serve="vllm-cpu")
+    assert Plan.load(p.save(tmp_path / "p.json")).serve == "vllm-cpu"
+    with pytest.raises(PlanError, match="1 linear\\(s\\) on int8, which vllm-cpu does not serve"):
+        Plan({"x": "int8"}, low="int4", group_size=64, groups="vllm", rung_set=("int8", "bf16"), serve="vllm-cpu")
+    with pytest.raises(PlanError, match="fuses serving groups, but the plan is free"):
+        Plan({"x": "bf16"}, low="int4", group_size=64, groups=None, serve="vllm-cpu")
+    with pytest.raises(PlanError, match="serving target 'tgi'"):
+        Plan({}, low="nf4", serve="tgi")
+
+
+def test_profile_serve_vllm_cpu_buys_only_bf16_groups_and_the_export_follows_the_plan(model_dir, docs, tmp_path,
+                                                                                     capsys):
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    for out, serve in ((cpu, "vllm-cpu"), (gpu, "vllm-gpu")):
+        rc, stdout, err = _profile(*_base(model_dir, docs, out), "--group-size", GS, "--budget", "+25%int4",
+                                   "--serve", serve)
+        assert rc == 0, err
+    plan, ladder = Plan.load(cpu), Plan.load(gpu)
+    assert (plan.serve, plan.rung_set, plan.groups, plan.low) == ("vllm-cpu", ("bf16",), "vllm", "int4")
+    assert plan.rungs and set(plan.rungs.values()) == {"bf16"}
+    assert ladder.serve == "vllm-gpu" and "int8" in ladder.rungs.values()  # the same budget buys INT8 on CUDA
+    assert "target vllm-cpu read from the plan" in stdout or "target vllm-gpu read from the plan" in stdout
+    # the export takes the plan's target when --target is not given, and refuses the CUDA plan for the CPU
+    assert export_main(["--model", str(model_dir), "--plan", str(cpu), "--format", "compressed-tensors",
+                        "--output", str(tmp_path / "f")]) == 0
+    assert "vLLM's CPU build" in (tmp_path / "f" / "README.md").read_text()
+    capsys.readouterr()
+    assert export_main(["--model", str(model_dir), "--plan", str(gpu), "--format", "compressed-tensors",
+                        "--output", str(tmp_path / "g"), "--target", "vllm-cpu"]) != 0
+    assert "no W8A16 kernel" in capsys.readouterr().err and not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("extra, want", [
+    (["--serve", "vllm-cpu", "--low", "nf4"], "--serve vllm-cpu serves int4 low formats, not --low nf4"),
+    (["--serve", "vllm-cpu", "--low", "int4", "--groups", "none"], "--groups none plans that it cannot load"),
+    (["--serve", "gguf"], "--serve gguf: a plan profiled against the GGUF quantisers is not built yet"),
+])
+def test_bad_serve_requests_are_one_line(model_dir, tmp_path, extra, want):
+    rc, _, err = _profile("--model", model_dir, "--output", tmp_path / "p", *extra)
+    assert rc == 2 and len(err) == 1 and want in err[0], err
+    assert not (tmp_path / "p").exists()

@@ -314,7 +314,7 @@ def check_options(args) -> str | None:
     """The first ``gnmr-hf export`` option that does not apply to this format, as a one-line reason."""
     if args.group_size is not None:
         return "--group-size is the compressed-tensors INT4 group: add --format compressed-tensors"
-    if args.target not in TARGETS:
+    if args.target is not None and args.target not in TARGETS:
         return (f"--target {args.target} is a compressed-tensors target (vLLM's W4A16 kernels); a bitsandbytes "
                 f"folder is written for {' or '.join(TARGETS)}: add --format compressed-tensors")
     return None
@@ -323,7 +323,8 @@ def check_options(args) -> str | None:
 def run(args, model_path: str) -> dict[str, Any]:
     """``gnmr-hf export --format bitsandbytes``: :func:`export_planned` with the command's options."""
     return export_planned(model_path, args.plan, args.output, quant=args.quant or "nf4", adapter=args.adapter,
-                          merge=args.merge, force=args.force, double_quant=args.double_quant, target=args.target)
+                          merge=args.merge, force=args.force, double_quant=args.double_quant,
+                          target=args.target or "vllm")
 
 
 def describe(s: dict[str, Any]) -> str:

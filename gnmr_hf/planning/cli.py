@@ -19,6 +19,8 @@ from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, _criteria
 from gnmr_hf.planning.profile_int4 import INT4_POINTS, run_int4  # noqa: F401  (INT4_POINTS re-exported)
 from gnmr_hf.planning.profile_run import PRICE_POINTS, ProfileError, examples, run_bnb  # noqa: F401
 from gnmr_hf.reporting.report import OneLineErrorParser
+from gnmr_hf.serving import TARGETS as SERVE_TARGETS
+from gnmr_hf.serving import serve_target
 
 # ------------------------------------------------------------------------------------------ CLI
 
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="a model folder with safetensors (the BF16 checkpoint), or an offline alias: "
                         "smollm2-135m-instruct (default), gemma3-270m")
-    p.add_argument("--low", default="nf4", choices=_LOW,
+    p.add_argument("--low", default=None, choices=_LOW,
                    help="the quantised low path (default nf4); int4: the compressed-tensors export's own W4A16 "
                         "quantiser (gnmr_hf.planning.int4.int4_fake_quant, the BF16 model loaded without bitsandbytes): "
                         "a precision-ladder plan (INT8 / BF16 rungs, first-order gains ct_rung_gains) for gnmr-hf "
@@ -103,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ladder", action="store_true",
                    help="4-bit low paths: skip the precision ladder's table (INT8 and BF16 rungs under budgets of "
                         "memory over the 4-bit model; gnmr_hf.planning.ladder, one model load per row)")
+    p.add_argument("--serve", default=None, choices=tuple(SERVE_TARGETS),
+                   help="the server the plan is for: the planner buys only the rungs it serves and keeps the groups "
+                        "it fuses, and the plan records it (gnmr-hf export refuses it for another target). vllm-cpu: "
+                        "W4A16 with BF16 groups (--low int4; vLLM's CPU build has no W8A16 kernel); vllm-gpu: W4A16 "
+                        "with INT8 and BF16 groups (--low int4); bitsandbytes: NF4/FP4 with BF16 linears; "
+                        "transformers: any. docs/serving.md: which server serves what")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -229,6 +237,7 @@ _examples = examples  # the former name
 
 def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Every flag checked before anything is loaded (one :class:`ProfileError` line); returns the criteria."""
+    _apply_serve(args)
     int4 = args.low == "int4"
     memory = parse_memory_budget(args.budget, lows=_LOW)  # "+10%nf4", "+10%int4": priced once the model is known
     if memory is not None and memory[1] == "int4" and not int4:
@@ -312,6 +321,33 @@ def _data(args: argparse.Namespace, model_path: Path, out: Path):
               f"for {args.heldout_batches * batch_size} {what}; the data left {h_rows} in {len(heldout)} batch(es)",
               file=sys.stderr, flush=True)
     return recipe, batches, heldout
+
+
+def _apply_serve(args: argparse.Namespace) -> None:
+    """``--serve``: the low format, the rungs and the groups its target takes (``args.serve_rungs``), or one line
+    when ``--low`` / ``--groups`` ask for what it does not serve; without it, ``--low`` defaults to nf4."""
+    args.serve_rungs = None
+    serve = getattr(args, "serve", None)
+    if serve is None:
+        args.low = args.low or "nf4"
+        return
+    target = serve_target(serve)
+    if serve == "gguf":
+        raise ProfileError("--serve gguf: a plan profiled against the GGUF quantisers is not built yet; plan with "
+                           "--low int4 --group-size 32 (Q4_0's block) and export it with --format gguf")
+    if args.low is not None and args.low not in target.lows:
+        raise ProfileError(f"--serve {serve} serves {', '.join(target.lows)} low formats, not --low {args.low}")
+    if target.groups and args.groups == "none":
+        raise ProfileError(f"--serve {serve} fuses q/k/v and gate/up (each group on one rung): --groups none plans "
+                           "that it cannot load")
+    args.low = args.low or target.lows[0]
+    if target.groups:
+        args.groups = target.groups
+    if args.low == "int4":
+        args.serve_rungs = target.rungs
+    elif target.rungs != ("bf16",) and serve != "transformers":
+        raise ProfileError(f"--serve {serve}: its rungs {target.rungs} over {args.low} are not planned by gnmr-hf "
+                           "profile")
 
 
 def _run(args: argparse.Namespace) -> int:

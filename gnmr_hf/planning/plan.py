@@ -44,6 +44,7 @@ from gnmr_hf.memory import parse_memory_budget
 from gnmr_hf.planning.groups import INT4_PROFILE
 from gnmr_hf.planning.profile_format import check_profile_dict
 from gnmr_hf.rungs import get_rung, planned_rungs
+from gnmr_hf.serving import ServeError, check_plan, serve_target
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
 #: the schema :meth:`Plan.save` writes
@@ -119,6 +120,8 @@ class Plan:
         keep_modules: modules a stock load keeps unquantised anyway (``lm_head``); they head
             :meth:`skip_modules`.
         planned: False for a profile that holds no plan (no rungs chosen).
+        serve: the serving target it was made for (:data:`gnmr_hf.serving.TARGETS`: ``gnmr-hf profile --serve``),
+            None when none was named; a plan its target cannot load is refused (:class:`PlanError`).
         schema_version: :data:`SCHEMA_VERSION`.
         source: the file it was loaded from (not saved).
     """
@@ -135,6 +138,7 @@ class Plan:
     chosen_by: dict[str, Any] = field(default_factory=dict)
     keep_modules: list[str] = field(default_factory=list)
     planned: bool = True
+    serve: str | None = None
     schema_version: int = SCHEMA_VERSION
     source: Path | None = field(default=None, compare=False, repr=False)
     data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the file as read
@@ -160,6 +164,15 @@ class Plan:
         if (self.group_size is None) != (self.low != "int4"):
             raise PlanError(f"{where}group_size {self.group_size!r} with low {self.low}: an int4 plan records its group "
                             "size, a bitsandbytes one none")
+        if self.serve is not None:
+            try:
+                target = serve_target(self.serve)
+                check_plan(self.rungs, self.low, target, "it")
+            except ServeError as e:
+                raise PlanError(f"{where}made for serve {self.serve!r}: {e}") from None
+            if target.groups and self.groups != target.groups:
+                raise PlanError(f"{where}made for serve {self.serve!r}, which fuses serving groups, but the plan is "
+                                "free (groups null): plan it with --serve, which keeps whole groups")
 
     # ------------------------------------------------------------------------------------- derived
     @property
@@ -275,7 +288,7 @@ class Plan:
             "groups": self.groups, "rung_set": list(self.rung_set), "planned": self.planned,
             "rungs": dict(self.rungs), "keep_modules": list(self.keep_modules), "budget": self.budget,
             "budget_bytes": self.budget_bytes, "price_bytes": self.price_bytes,
-            "model_identity": self.model_identity, "chosen_by": dict(self.chosen_by)}
+            "model_identity": self.model_identity, "chosen_by": dict(self.chosen_by), "serve": self.serve}
         if self.planned and not self.is_int4 and not self.not_in_skip_list():
             out["skip_modules"] = self.skip_modules()
         return out
@@ -390,7 +403,7 @@ def _from_schema(data: dict[str, Any], where: str) -> Plan:
                   groups=_opt_str(data.get("groups")), rung_set=tuple(rung_set), budget=_opt_str(data.get("budget")),
                   budget_bytes=_opt_int(data.get("budget_bytes")), price_bytes=_opt_int(data.get("price_bytes")),
                   model_identity=data.get("model_identity"), chosen_by=dict(data.get("chosen_by") or {}),
-                  keep_modules=list(keep), planned=bool(data.get("planned", True)))
+                  keep_modules=list(keep), planned=bool(data.get("planned", True)), serve=_opt_str(data.get("serve")))
 
 
 def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
@@ -400,9 +413,10 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
         raise PlanError(f"{where}: 'rungs' must map linear names to rungs ({', '.join(planned_rungs())})")
     record = data.get("plan") if isinstance(data.get("plan"), dict) else {}
     low = data.get("low", record.get("low", "nf4"))  # a ladder recipe's record says (since issue 59): NF4
-    if low == "int4":  # gnmr-hf profile --low int4
-        rung_set, currency, writer = ("int8", "bf16"), "compressed-tensors folder bytes over uniform W4A16", \
-            "gnmr-hf profile --low int4"
+    if low == "int4":  # gnmr-hf profile --low int4 (--serve: the target's rungs, recorded since issue 60)
+        recorded = data.get("rung_set")
+        rung_set = tuple(recorded) if isinstance(recorded, list) and recorded else ("int8", "bf16")
+        currency, writer = "compressed-tensors folder bytes over uniform W4A16", "gnmr-hf profile --low int4"
         price = data.get("price_bytes", record.get("price_bytes"))
     else:
         counts = record.get("rung_counts")
@@ -419,7 +433,7 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
                   budget=_opt_str(data.get("budget", record.get("budget"))),
                   budget_bytes=_opt_int(data.get("budget_bytes", record.get("budget_bytes"))),
                   price_bytes=_opt_int(price), model_identity=recorded_identity(data),
-                  chosen_by={k: v for k, v in chosen.items() if v is not None})
+                  chosen_by={k: v for k, v in chosen.items() if v is not None}, serve=_opt_str(data.get("serve")))
 
 
 def _is_old_bench_profile(data: dict[str, Any]) -> bool:

@@ -29,6 +29,11 @@ from gnmr_hf.planning.profiler import model_identity
 INT4_POINTS = (0.05, 0.10, 0.25)
 
 
+def _rungs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The rungs the plans may buy: ``--serve``'s target's (vllm-cpu: BF16 only), else INT8 and BF16."""
+    return getattr(args, "serve_rungs", None) or ("int8", "bf16")
+
+
 def _load_bf16(args: argparse.Namespace, model_path: Path, dtype, gs: int):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -154,7 +159,7 @@ def _rows(args, model, prices, gains, swap: _Swapper, budget: int, layout) -> tu
     for b in tqdm([(b, k) for b in budgets for k in kinds], desc="plans", disable=args.quiet):
         b, kind = b
         try:
-            plan = make_plan(model, swap.batches, b, ("int8", "bf16"), "vllm" if kind == "grouped" else None,
+            plan = make_plan(model, swap.batches, b, _rungs(args), "vllm" if kind == "grouped" else None,
                              low="int4", group_size=prices.group_size, prices=prices, gains=gains, budget_text=args.budget
                              if b == budget else f"+{100 * b / w4a16:g}%int4")
         except PlanError:  # a price point that buys nothing or exceeds the total on this model
@@ -201,7 +206,8 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
     w4a16 = prices.low_model_bytes
     chosen = main_row["rungs"]
     groups = "vllm" if kind == "grouped" else None
-    record = {"low": "int4", "group_size": gs, "groups": groups,
+    record = {"low": "int4", "group_size": gs, "groups": groups, "rung_set": list(_rungs(args)),
+              "serve": getattr(args, "serve", None),
               "rungs": chosen, "price_bytes": main_row["price_bytes"], "budget": args.budget, "budget_bytes": budget,
               "w4a16_bytes": w4a16, "bf16_over_w4a16_bytes": sum(p["bf16"] for p in prices.prices.values()),
               "plan": {"rungs": chosen, "groups": groups, "budget_bytes": budget,
@@ -220,6 +226,7 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
     print(f"\nthe plan written ({kind}, budget {args.budget} = {budget / 2**20:.3f} MiB over uniform W4A16): "
           f"{main_row['int8']} linear(s) on INT8, {main_row['bf16']} on BF16, {main_row['price_bytes']} B over W4A16 "
           f"(+{100 * main_row['price_bytes'] / w4a16:.2f} %)")
+    serve = getattr(args, "serve", None)
     print(f"export it: gnmr-hf export --model {args.model} --plan {out} --format compressed-tensors --output DIR "
-          f"[--adapter ADAPTER] (group {gs} read from the plan)")
+          f"[--adapter ADAPTER] (group {gs}{' and target ' + serve if serve else ''} read from the plan)")
     print(f"[profile] wrote {path} (no profile.png for --low int4) in {time.time() - started:.0f} s")
