@@ -56,8 +56,9 @@ TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
                 "run here: bench/serve/gguf_llamacpp.py (llama.cpp through llama-cpp-python 0.3.36, and "
                 "transformers' GGUF loader); int8 is written as Q8_0, bf16 as BF16, the low linears at --low-type"),
     ServeTarget("bitsandbytes", ("nf4", "fp4", "int8"), ("bf16",), None, "bitsandbytes",
-                "run here: tests/test_export.py (transformers with bitsandbytes); vLLM 0.32.0 has no bitsandbytes "
-                "method (vllm/model_executor/layers/quantization/__init__.py, QuantizationMethods)"),
+                "run here: tests/test_export.py (transformers with bitsandbytes); vLLM 0.32.0's CPU build refuses "
+                "a bitsandbytes folder (Unknown quantization method: bitsandbytes), and its "
+                "vllm/model_executor/layers/quantization/__init__.py QuantizationMethods lists none for any device"),
 )}
 #: the export's older name for the CUDA target
 ALIASES = {"vllm": "vllm-gpu"}

@@ -62,8 +62,11 @@ def serving_lines(summary: dict[str, Any]) -> list[str]:
     aliases, split = summary.get("vllm_aliases") or [], summary.get("split_groups")
     if summary.get("target") == "vllm":
         lines = ["## Serving", "", "Loaded by transformers (`from_pretrained(FOLDER)`, by the names above) and by vLLM "
-                 "(`vllm serve FOLDER`: it reads `quantization_config`; older vLLM versions also want `--quantization "
-                 "bitsandbytes`; vLLM is not run by gnmr_hf's tests). vLLM fuses q/k/v into one "
+                 "versions that have a bitsandbytes method (`vllm serve FOLDER`: it reads `quantization_config`; older "
+                 "versions also want `--quantization bitsandbytes`). vLLM 0.32.0 has none: its CPU build refuses "
+                 "the folder (`Unknown quantization method: bitsandbytes`, run by bench/serve/vllm_cpu.py's worker; "
+                 "its QuantizationMethods list has no bitsandbytes on any device); serve vLLM a compressed-tensors "
+                 "export (`--format compressed-tensors`) instead. vLLM fuses q/k/v into one "
                  "`self_attn.qkv_proj` and gate/up into one `mlp.gate_up_proj` and matches the skip list against "
                  "those names, so the list also holds the fused name of every kept group (transformers matches no "
                  "module by them):", ""]
