@@ -163,3 +163,14 @@ def test_bad_serve_requests_are_one_line(model_dir, tmp_path, extra, want):
     rc, _, err = _profile("--model", model_dir, "--output", tmp_path / "p", *extra)
     assert rc == 2 and len(err) == 1 and want in err[0], err
     assert not (tmp_path / "p").exists()
+
+
+def test_profile_serve_bitsandbytes_records_its_target_on_the_bf16_plan(model_dir, docs, tmp_path):
+    out = tmp_path / "bnb"
+    rc, _, err = _profile("--model", model_dir, "--serve", "bitsandbytes", "--data", docs, "--max-seq-len", 16,
+                          "--batch-size", 2, "--batches", 2, "--budget", "25%", "--no-ladder", "--no-plot", "--quiet",
+                          "--output", out)
+    assert rc == 0, err
+    plan = Plan.load(out)
+    assert (plan.serve, plan.low, plan.rung_set) == ("bitsandbytes", "nf4", ("bf16",)) and plan.rungs
+    assert plan.skip_modules()[0] == "lm_head"  # a stock bitsandbytes load reads it

@@ -500,7 +500,7 @@ def _from_profile(data: dict[str, Any], where: str, rung_set: Sequence[str] | No
                   budget=_opt_str(data.get("budget", record.get("budget"))),
                   budget_bytes=_opt_int(record.get("budget_bytes")), price_bytes=_opt_int(price),
                   model_identity=recorded_identity(data), chosen_by={k: v for k, v in chosen.items() if v is not None},
-                  keep_modules=keep)
+                  keep_modules=keep, serve=_opt_str(data.get("serve", record.get("serve"))))
 
 
 def _recorded_groups(data: dict[str, Any]) -> str | None:

@@ -322,7 +322,8 @@ def _write(args, out: Path, model_path: Path, prof, name, main_plan: Plan, main_
     out.mkdir(parents=True, exist_ok=True)
     record = {**main_view.to_dict(), "budget": args.budget, "budget_bytes": main_plan.budget_bytes,
               "price_bytes": main_plan.price_bytes, "low_model_bytes": prices.low_model_bytes,
-              "currency": main_plan.chosen_by["currency"], "criterion": name}
+              "currency": main_plan.chosen_by["currency"], "criterion": name,
+              "serve": getattr(args, "serve", None)}
     if args.low == "nf4":  # the key Plan.load reads a plan's price in the one currency from
         record["price_over_nf4_bytes"] = main_plan.price_bytes
     path = prof.to_json(out / "profile.json", skip_modules=skips, criterion=name, budget=args.budget,
