@@ -118,17 +118,24 @@ def main(argv: list[str] | None = None) -> int:
                    "export wrote: it holds .gnmr_export.json; replaced by rename, the old one removed last)")
     p.add_argument("--low-type", default=None, help="gguf: the GGUF type of the linears the plan leaves low "
                    "(default Q4_0; Q4_1, Q5_0, Q5_1, Q8_0, BF16)")
-    p.add_argument("--uniform", default=None, metavar="TYPE", help="gguf: every decoder linear at TYPE, no plan "
-                   "(the uniform baseline)")
+    p.add_argument("--uniform", default=None, metavar="TYPE", help="every decoder linear at TYPE, no plan (the "
+                   "uniform baseline): a GGUF type with --format gguf, w4a16 with --format compressed-tensors")
     args = p.parse_args(argv)
     def fail(msg: str) -> int:
         print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
         return 2
 
     fmt = get_format(args.fmt)
-    if args.fmt != "gguf" and (args.low_type or args.uniform):
+    if args.fmt == "compressed-tensors" and args.uniform is not None:
+        if args.uniform.lower() != "w4a16":
+            return fail(f"--uniform {args.uniform}: --format compressed-tensors writes the uniform baseline as w4a16 "
+                        "(GGUF types: --format gguf)")
+        if args.plan:
+            return fail("give --plan or --uniform w4a16, not both")
+        args.plan = {}  # no planned linear: every decoder linear W4A16
+    elif args.fmt != "gguf" and (args.low_type or args.uniform):
         return fail(f"--{'low-type' if args.low_type else 'uniform'} is --format gguf's (GGUF types)")
-    if args.fmt != "gguf" and not args.plan:
+    if args.fmt != "gguf" and not args.plan and args.plan != {}:
         return fail("--plan is required (a profile.json, or the folder holding it)")
     bad = fmt.check(args)
     if bad:

@@ -174,3 +174,15 @@ def test_profile_serve_bitsandbytes_records_its_target_on_the_bf16_plan(model_di
     plan = Plan.load(out)
     assert (plan.serve, plan.low, plan.rung_set) == ("bitsandbytes", "nf4", ("bf16",)) and plan.rungs
     assert plan.skip_modules()[0] == "lm_head"  # a stock bitsandbytes load reads it
+
+
+def test_the_uniform_w4a16_baseline_is_one_flag_and_equals_an_empty_plan(llama, tmp_path, capsys):
+    assert export_main(["--model", str(llama), "--format", "compressed-tensors", "--uniform", "w4a16",
+                        "--group-size", "32", "--output", str(tmp_path / "u")]) == 0
+    s = export_compressed_tensors(llama, {}, tmp_path / "e", group_size=32)
+    a = (tmp_path / "u" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "e" / "model.safetensors").read_bytes() and s["schemes"]["W4A16"] == 14
+    capsys.readouterr()
+    assert export_main(["--model", str(llama), "--format", "compressed-tensors", "--uniform", "q4_0",
+                        "--output", str(tmp_path / "q")]) == 2
+    assert "writes the uniform baseline as w4a16" in capsys.readouterr().err and not (tmp_path / "q").exists()
