@@ -14,8 +14,6 @@ Every function writes ``{output_dir}/profile.json`` on the main process and retu
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -108,12 +106,6 @@ def _write(recipe: Recipe, write) -> None:
         out = Path(recipe.training.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         write(out)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def planned_policy(recipe: Recipe, model, train_ds, tokenizer,
@@ -253,10 +245,9 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
 
     def write(out: Path) -> None:
         # the checkpoint the plan was made on: load_planned checks it
-        _write_json(out / "profile.json", {
-            "rungs": chosen, "plan": record, "model_identity": plan.model_identity,
-            "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
-                      for u in gains.units]})
+        plan.save(out / "profile.json", plan=record,
+                  units=[{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
+                         for u in gains.units])
         counts = record["rung_counts"]
         print(f"the precision ladder at {prof.budget}: {', '.join(f'{v} {k}' for k, v in counts.items())} "
               f"of {len(gains.units)} linears, +{100 * record['memory_over_nf4']:.1f} % memory over the NF4 model "
@@ -382,11 +373,11 @@ def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict
     def write(out: Path) -> None:
         data = plan.data
         if prof.ladder:
-            saved = {"rungs": chosen, "plan": record, "model_identity": plan.model_identity or model_identity(model_path)}
             units_json = data.get("units") if "rungs" in data else None
-            if isinstance(units_json, list) and all(isinstance(u, dict) and "numel" in u for u in units_json):
-                saved["units"] = units_json  # a ladder run's own per-linear gains and prices
-            _write_json(out / "profile.json", saved)
+            extra = {"units": units_json} if isinstance(units_json, list) and all(
+                isinstance(u, dict) and "numel" in u for u in units_json) else {}  # a ladder run's gains and prices
+            dataclasses.replace(served, model_identity=plan.model_identity or model_identity(model_path)).save(
+                out / "profile.json", plan=record, **extra)
         elif "units" in data and "losses" in data:  # a profile with its plan: the profile, the run's record
             SensitivityProfile.from_dict(data).to_json(out / "profile.json", plan=record,
                                                        skip_modules=plan.skip_modules())

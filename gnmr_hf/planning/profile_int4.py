@@ -9,7 +9,6 @@ weights, bit-exact): no plan reloads the model."""
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from gnmr_hf.planning.groups import split_groups
 from gnmr_hf.planning.int4 import _largest_group, int4_fake_quant, int8_fake_quant
 from gnmr_hf.planning.ladder import _loss
 from gnmr_hf.planning.make import layout_of, make_plan, plan_budget, plan_gains, plan_prices
-from gnmr_hf.planning.plan import PlanError
+from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.planning.profile_run import ProfileError, examples, noise_floor
 from gnmr_hf.planning.profiler import model_identity
 
@@ -206,14 +205,18 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
     w4a16 = prices.low_model_bytes
     chosen = main_row["rungs"]
     groups = "vllm" if kind == "grouped" else None
-    record = {"low": "int4", "group_size": gs, "groups": groups, "rung_set": list(_rungs(args)),
-              "serve": getattr(args, "serve", None),
-              "rungs": chosen, "price_bytes": main_row["price_bytes"], "budget": args.budget, "budget_bytes": budget,
-              "w4a16_bytes": w4a16, "bf16_over_w4a16_bytes": sum(p["bf16"] for p in prices.prices.values()),
+    plan = Plan(dict(chosen), low="int4", group_size=gs, groups=groups, rung_set=_rungs(args), budget=args.budget,
+                budget_bytes=budget, price_bytes=main_row["price_bytes"], model_identity=model_identity(model_path),
+                chosen_by={"writer": "gnmr-hf profile --low int4", "criterion": "first_order",
+                           "batches": len(batches), "tokens": examples(batches)[1],
+                           "currency": "compressed-tensors folder bytes over uniform W4A16",
+                           "command": "gnmr-hf profile " + shlex.join(args.argv)},
+                serve=getattr(args, "serve", None))
+    record = {"w4a16_bytes": w4a16, "bf16_over_w4a16_bytes": sum(p["bf16"] for p in prices.prices.values()),
               "plan": {"rungs": chosen, "groups": groups, "budget_bytes": budget,
                        "price_bytes": main_row["price_bytes"], "predicted_gain": main_row["predicted_gain"],
                        "loss": main_row["loss"], "gap_closed": main_row["gap_closed"]},
-              "model": type(model).__name__, "model_identity": model_identity(model_path),
+              "model": type(model).__name__,
               "losses": {"low": low, "high": high}, "batches": len(batches), "heldout_batches": len(heldout),
               "tokens": examples(batches)[1], "dtype": str(dtype).replace("torch.", ""),
               "units": [{"name": u.name, "numel": u.numel, "rows": u.rows, "gains": u.gains, "prices": u.prices}
@@ -221,8 +224,7 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
               "plans": [{k: v for k, v in r.items() if k != "rungs"} for r in rows],
               "command": "gnmr-hf profile " + shlex.join(args.argv)}
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "profile.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path = plan.save(out / "profile.json", **record)
     print(f"\nthe plan written ({kind}, budget {args.budget} = {budget / 2**20:.3f} MiB over uniform W4A16): "
           f"{main_row['int8']} linear(s) on INT8, {main_row['bf16']} on BF16, {main_row['price_bytes']} B over W4A16 "
           f"(+{100 * main_row['price_bytes'] / w4a16:.2f} %)")
