@@ -134,8 +134,11 @@ def vllm_nll(venv: Path, folder: Path, ids_file: Path, threads: int, gen_tokens:
                           str(gen_tokens), str(batch), *(["eager"] if eager else [])],
                          capture_output=True, text=True, env=env)
     if out.returncode:
-        errors = [ln for ln in out.stderr.strip().splitlines() if "Error" in ln] or out.stderr.strip().splitlines()
-        return {"refused": errors[-1][:400] if errors else f"rc {out.returncode}"}
+        lines = out.stderr.strip().splitlines()
+        # the root cause (vLLM's engine core logs it, then the engine's own "initialization failed" follows)
+        cause = [ln for ln in lines if "Failed to find a kernel" in ln or "ValueError" in ln]
+        errors = cause or [ln for ln in lines if "Error" in ln] or lines
+        return {"refused": errors[-1].strip()[:600] if errors else f"rc {out.returncode}"}
     # vLLM logs to stdout too (its shutdown lines come after the worker's): the worker's line is the JSON one
     return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"nll"')][-1])
 
