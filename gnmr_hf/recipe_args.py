@@ -319,9 +319,6 @@ class ProfileArguments:
             if out.policy != "static":
                 raise RecipeError(f"profile.rungs [{rungs}] needs profile.policy static (the ladder's rungs are fixed "
                                   f"for the run), got {out.policy}")
-            if out.criterion not in (None, "first_order"):
-                raise RecipeError(f"profile.rungs [{rungs}] ranks by the first-order gain of each rung; "
-                                  f"profile.criterion {out.criterion!r} does not apply")
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -241,7 +241,7 @@ def ladder_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any,
                           "other data, or plan without one: precision nf4)")
     policy, record = _rung_policy(recipe, model, model_path, plan)
     record.update({"gain": plan.chosen_by["predicted_gain"], "over_low_bytes": plan.price_bytes,
-                   "memory_budget": over_low, "criterion": "first_order", "profile_seconds": round(time.time() - t0, 2)})
+                   "memory_budget": over_low, "criterion": gains.criterion, "profile_seconds": round(time.time() - t0, 2)})
 
     def write(out: Path) -> None:
         # the checkpoint the plan was made on: load_planned checks it

@@ -235,7 +235,7 @@ def _count_profile_passes(monkeypatch):
     """Every profile pass a plan can be made with (the BF16 planner's sensitivity profile, the ladder's rung gains,
     the INT4 ladder's), counted where make_plan calls them."""
     import gnmr_hf
-    from gnmr_hf.planning import int4, ladder, profiler
+    from gnmr_hf.planning import int4, ladder, profiler, rung_criteria
 
     calls = []
 
@@ -250,6 +250,8 @@ def _count_profile_passes(monkeypatch):
     monkeypatch.setattr(profiler, "profile_sensitivity", counted("profile_sensitivity", real))
     monkeypatch.setattr(ladder, "rung_gains", counted("rung_gains", ladder.rung_gains))
     monkeypatch.setattr(int4, "ct_rung_gains", counted("ct_rung_gains", int4.ct_rung_gains))
+    monkeypatch.setattr(rung_criteria, "criterion_rung_gains",
+                        counted("criterion_rung_gains", rung_criteria.criterion_rung_gains))
     return calls
 
 

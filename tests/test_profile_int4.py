@@ -198,7 +198,7 @@ def test_the_exports_and_load_planned_refuse_what_does_not_fit(model_dir, groupe
     (["--budget", "+900%int4", "--group-size", "64"], "is more than every decoder linear on BF16 costs"),
     (["--budget", "+10%int4"], "--group-size 128 does not divide the input size of model.layers.0.self_attn.q_proj "
                                "(64): use --group-size 64"),
-    (["--criterion", "loss", "--group-size", "64"], "no other criterion"),
+    (["--criterion", "nope", "--group-size", "64"], "unknown criterion 'nope'"),
 ])
 def test_bad_int4_profile_requests_are_one_line(model_dir, docs, tmp_path, extra, want):
     rc, _, err = _profile(*_base(model_dir, docs, tmp_path / "p"), *extra)

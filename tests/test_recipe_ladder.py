@@ -44,7 +44,7 @@ def test_the_ladder_recipes_parse():
     (["--profile.budget", "10%"], r"profile\.rungs \[int8, bf16\] plans under memory over the NF4 model: write "
                                   r"profile\.budget as \+N%nf4 .*not '10%'"),
     (["--profile.policy", "hybrid"], r"profile\.rungs \[int8, bf16\] needs profile\.policy static .*got hybrid"),
-    (["--profile.criterion", "output"], r"profile\.rungs \[int8, bf16\] ranks by the first-order gain .*'output'"),
+    (["--profile.criterion", "nope"], r"profile\.criterion must be one of .*'nope'"),
 ])
 def test_bad_ladder_settings_are_one_line_errors(argv, message):
     with pytest.raises(finetune.RecipeError, match=message) as e:

@@ -29,7 +29,7 @@ LONG_FUNCTIONS: dict[str, int] = {}
 
 #: modules other work of issue 59 is changing right now (issue 59, being changed now): left out of the circle and
 #: function-local import checks until that work lands; drop this set then
-BEING_CHANGED = {"gnmr_hf.planning.make", "gnmr_hf.planning.criteria"}
+BEING_CHANGED: set[str] = set()  # modules a change in progress leaves out of the checks (none now)
 #: the parts of the package checked for import circles and function-local imports: every top-level module and
 #: subpackage (a new one is checked without a line here), less BEING_CHANGED
 CHECKED_PARTS = tuple(sorted(f"gnmr_hf.{p.stem}" for p in PACKAGE.iterdir()
@@ -233,8 +233,8 @@ def test_the_checks_reach_every_module_but_those_being_changed():
     graph, _ = _graph()
     assert len(CHECKED_PARTS) > 20 and "gnmr_hf.planning" in CHECKED_PARTS and "gnmr_hf.recipe" in CHECKED_PARTS
     unchecked = sorted(m for m in graph if not _checked(m))
-    assert unchecked and all(_within(m, BEING_CHANGED) for m in unchecked), unchecked
-    assert _checked("gnmr_hf.planning.plan") and not _checked("gnmr_hf.planning.make")
+    assert all(_within(m, BEING_CHANGED) for m in unchecked), unchecked
+    assert _checked("gnmr_hf.planning.plan") and _checked("gnmr_hf.planning.make") and _checked("gnmr_hf.demo")
     gone = sorted(b for b in BEING_CHANGED if not any(_within(m, [b]) for m in graph))
     assert gone == [], f"no such module any more: remove them from BEING_CHANGED: {gone}"
 

@@ -186,3 +186,13 @@ def test_the_uniform_w4a16_baseline_is_one_flag_and_equals_an_empty_plan(llama, 
     assert export_main(["--model", str(llama), "--format", "compressed-tensors", "--uniform", "q4_0",
                         "--output", str(tmp_path / "q")]) == 2
     assert "writes the uniform baseline as w4a16" in capsys.readouterr().err and not (tmp_path / "q").exists()
+
+
+def test_profile_low_int4_takes_a_registered_criterion_for_its_rungs(model_dir, docs, tmp_path):
+    # issue 59: a criterion of the registry chooses INT4 plans too (weight_error: no forward pass, so it is cheap)
+    out = tmp_path / "we"
+    rc, stdout, err = _profile(*_base(model_dir, docs, out), "--group-size", GS, "--budget", "+25%int4",
+                               "--criterion", "weight_error")
+    assert rc == 0, err
+    plan = Plan.load(out)
+    assert plan.chosen_by["criterion"] == "weight_error" and plan.rungs and "rung gains (weight_error)" in stdout

@@ -132,7 +132,7 @@ def recipe_batches(tok, n: int, out: Path) -> tuple[list[dict[str, Any]], Any]:
     from gnmr_hf.planning import cli as P
 
     work = Path(tempfile.mkdtemp(prefix="profile_criteria_"))  # the generated data files, not results
-    args = argparse.Namespace(recipe=None, low="nf4", data=None, max_seq_len=None)
+    args = argparse.Namespace(recipe=None, low="nf4", data=None, max_seq_len=None, model="smollm2-135m-instruct")
     recipe = P._load_recipe(args, work, work)
     bs = recipe.training.per_device_train_batch_size
     return P._record_batches(recipe, tok, n, bs, work), recipe

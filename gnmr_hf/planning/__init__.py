@@ -56,6 +56,9 @@ One file per job (docs/design.md, "Layout"):
 ``plan``            :class:`Plan`: one type for every plan (BF16-only, ladder, INT4), its file, :class:`PlanError`
 ``make``            :func:`make_plan`: every plan (BF16-only, ladder, INT4) chosen in one currency, bytes over
                     the all-low model as served (:func:`plan_prices`, :func:`plan_budget`, :func:`plan_gains`)
+``rung_criteria``   a registered criterion on each rung of a ladder or INT4 plan (the rung's weight standing in
+                    for the high path): :func:`make_plan`'s gains for a ``criterion=`` other than the default
+``rung_swap``       a plan put on one loaded low model in place and taken off again (the ladder table's rows)
 ``budget``          budget currencies (memory over the all-low model; a size; a share) and the price table
 ``skiplist``        :func:`skip_modules`: the names a stock ``BitsAndBytesConfig`` keeps unquantised
 ``ladder``          the precision ladder: INT8 and BF16 rungs under one memory budget, :func:`load_planned`

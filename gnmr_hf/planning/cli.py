@@ -246,9 +246,6 @@ def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.group_size is not None and not int4:
         raise ProfileError(f"--group-size is the INT4 group of --low int4 (the compressed-tensors export's), not of "
                            f"--low {args.low}")
-    if int4 and args.criterion != DEFAULT_CRITERION:
-        raise ProfileError(f"--criterion {args.criterion}: --low int4 profiles the rungs' first-order gains against the "
-                           "export's INT4 quantiser (gnmr_hf.planning.int4.ct_rung_gains), no other criterion")
     if memory is not None and memory[1] != args.low:
         raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
     if memory is None:

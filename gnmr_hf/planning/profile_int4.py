@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gnmr_hf.planning.criteria import _criteria
 from gnmr_hf.planning.groups import split_groups
 from gnmr_hf.planning.int4 import _largest_group, int4_fake_quant, int8_fake_quant
 from gnmr_hf.planning.ladder import _loss
@@ -106,6 +107,7 @@ def _budget(args: argparse.Namespace, prices, layout) -> int:
 
 def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype, out: Path, started: float) -> int:
     """See the module docstring."""
+    criteria = _criteria(args.criterion)
     gs = 128 if args.group_size is None else args.group_size
     model = _load_bf16(args, model_path, dtype, gs)
     prices = plan_prices(model, ("int8", "bf16"), "int4", group_size=gs)
@@ -127,9 +129,11 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
 
     profile_b, heldout_b = on(batches), on(heldout)
     t0 = time.time()
-    gains = plan_gains(model, profile_b, prices)
-    print(f"[profile] rung gains against INT4 (group {gs}) on {len(batches)} batch(es) in {time.time() - t0:.0f} s",
-          flush=True)
+    # the first --criterion plans (first_order, the default: the rungs' first-order gains; another registered
+    # criterion runs once per rung, the rung's weight as its high path: gnmr_hf.planning.rung_criteria)
+    gains = plan_gains(model, profile_b, prices, criteria[0], progress=not args.quiet)
+    print(f"[profile] rung gains ({gains.criterion}) against INT4 (group {gs}) on {len(batches)} batch(es) in "
+          f"{time.time() - t0:.0f} s", flush=True)
     swap = _Swapper(model, prices.linears, gs, profile_b, heldout_b)
     try:
         rows, low, high = _rows(args, model, prices, gains, swap, budget, layout)
@@ -207,7 +211,7 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
     groups = "vllm" if kind == "grouped" else None
     plan = Plan(dict(chosen), low="int4", group_size=gs, groups=groups, rung_set=_rungs(args), budget=args.budget,
                 budget_bytes=budget, price_bytes=main_row["price_bytes"], model_identity=model_identity(model_path),
-                chosen_by={"writer": "gnmr-hf profile --low int4", "criterion": "first_order",
+                chosen_by={"writer": "gnmr-hf profile --low int4", "criterion": gains.criterion,
                            "batches": len(batches), "tokens": examples(batches)[1],
                            "currency": "compressed-tensors folder bytes over uniform W4A16",
                            "command": "gnmr-hf profile " + shlex.join(args.argv)},
