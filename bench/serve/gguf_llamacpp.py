@@ -205,6 +205,23 @@ def compare(args) -> None:
     print(f"  tensors: {len(ta)} / {len(tb)}, same names {set(ta) == set(tb)}, same shapes {ta == tb}")
 
 
+def table(args) -> None:
+    """The rows of a ``score`` file as a Markdown table: bytes, both NLLs, their difference, the gap closed."""
+    doc = json.loads(Path(args.file).read_text())
+    rows = {k: v for k, v in doc["rows"].items() if k != "checkpoint"}
+    low = next(v for k, v in rows.items() if k.endswith("-q4_0.gguf") and "-planned-" not in k and "-random-" not in k)
+    high = next(v for k, v in rows.items() if k.endswith("-bf16.gguf"))
+    lo, hi = low["transformers"]["nll"], high["transformers"]["nll"]
+    print(f"`{doc['command']}`\n")
+    print("| file | MiB | NLL transformers | gap closed | NLL llama.cpp | llama.cpp - transformers |")
+    print("|---|---|---|---|---|---|")
+    for name, row in rows.items():
+        t = row["transformers"]["nll"]
+        ll = row.get("llama_cpp")
+        cell = f"{ll['nll']:.4f} | {ll['nll'] - t:+.4f}" if ll else "not run | "
+        print(f"| {name} | {row['bytes'] / 2**20:.1f} | {t:.4f} | {(lo - t) / (lo - hi):.3f} | {cell} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_worker"]:
@@ -237,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default=None, help="the offline alias whose source GGUF is the reference")
     c.add_argument("--reference", default=None, help="or the reference GGUF itself")
     c.add_argument("--workdir", default="/tmp", help="where a chunked source GGUF is assembled")
+    t = sub.add_parser("table", help="a score file as a Markdown table")
+    t.add_argument("file")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.step == "build-venv":
         return build_venv(Path(args.venv), args.jobs)
-    {"export": export, "score": score, "compare": compare}[args.step](args)
+    {"export": export, "score": score, "compare": compare, "table": table}[args.step](args)
     return 0
 
 
