@@ -51,6 +51,15 @@ public names are re-exported here.
 from __future__ import annotations
 
 from gnmr_hf.export_folder import ExportError, OutputFolderError  # noqa: F401  (re-exported)
+from gnmr_hf.export_score import (
+    HOW_TO_ASK,
+    SCORED_FORMATS,
+    ScoreError,
+    record,
+    score_export,
+    score_line,
+    warning_line,
+)
 from gnmr_hf.exports import ExportFormat, format_names, get_format, register_format  # noqa: F401
 from gnmr_hf.exports.bitsandbytes import (  # noqa: F401  (re-exported: the bitsandbytes exporter's names)
     LADDER_BNB,
@@ -120,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                    "(default Q4_0; Q4_1, Q5_0, Q5_1, Q8_0, BF16)")
     p.add_argument("--uniform", default=None, metavar="TYPE", help="every decoder linear at TYPE, no plan (the "
                    "uniform baseline): a GGUF type with --format gguf, w4a16 with --format compressed-tensors")
+    p.add_argument("--score-data", default=None, metavar="FILE", help="compressed-tensors, gguf: held-out text to "
+                   "score the export on against the merged BF16 model and the uniform low form (printed, and on the "
+                   "card); without it nothing is scored")
+    p.add_argument("--score-block", type=int, default=256, help="tokens per scored block (default 256)")
+    p.add_argument("--score-blocks", type=int, default=16, help="at most this many blocks, taken from the end of "
+                   "--score-data (default 16)")
     args = p.parse_args(argv)
     def fail(msg: str) -> int:
         print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
@@ -140,9 +155,47 @@ def main(argv: list[str] | None = None) -> int:
     bad = fmt.check(args)
     if bad:
         return fail(bad)
+    text = None
+    if args.score_data is not None:
+        if args.score_block < 2 or args.score_blocks < 1:
+            return fail(f"--score-block {args.score_block} / --score-blocks {args.score_blocks}: a block holds at "
+                        "least 2 tokens, at least one block")
+        if args.fmt not in SCORED_FORMATS:
+            return fail(f"--score-data: the export scores {', '.join(SCORED_FORMATS)} exports, not {args.fmt}")
+        try:
+            text = open(args.score_data, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            return fail(f"--score-data {args.score_data}: {e}")
+    model_path = resolve_model(args.model)
     try:
-        summary = fmt.run(args, resolve_model(args.model))
+        summary = fmt.run(args, model_path)
     except fmt.errors as e:
         return fail(str(e))
     print(fmt.describe(summary))
+    if args.fmt in SCORED_FORMATS:
+        _score(args, model_path, summary, text)
     return 0
+
+
+def _score(args, model_path: str, summary: dict, text: str | None) -> None:
+    """The export scored on ``--score-data`` (:func:`gnmr_hf.export_score.score_export`): one line printed, a
+    ``warning:`` line when it loses more than its plan recovered, the figures on the folder's card and marker."""
+    import os
+
+    if text is None:
+        print(HOW_TO_ASK)
+        return
+    gguf = args.fmt == "gguf"
+    try:
+        r = score_export(model_path, summary["file"] if gguf else summary["folder"], args.fmt, args.adapter, text,
+                         block=args.score_block, blocks=args.score_blocks, group_size=summary.get("group_size") or 128,
+                         low_type=args.uniform or args.low_type or "Q4_0", source=os.path.basename(args.score_data))
+    except ScoreError as e:
+        print(str(e))
+        return
+    print(score_line(r))
+    w = warning_line(r)
+    if w:
+        print(w)
+    if not gguf:
+        record(summary["folder"], r)
