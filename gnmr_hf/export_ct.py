@@ -384,7 +384,8 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike) -> str:
         lines += ["Measured (by the caller of the export):", ""]
         lines += [f"- {k}: {v}" for k, v in summary["measured"].items()] + [""]
     else:
-        lines += ["Loss: not measured by the export; score the folder with `gnmr-hf eval --model FOLDER`.", ""]
+        lines += ["Loss: not measured by the export (`gnmr-hf export --score-data FILE` scores it on held-out text "
+                  "against the merged BF16 model); score the folder with `gnmr-hf eval --model FOLDER`.", ""]
     if summary["target"] == "vllm-cpu":
         lines += ["Served by vLLM's CPU build (`vllm serve FOLDER`: compressed-tensors, its W4A16 kernel "
                   "CPUWNA16; BF16 linears unquantised) and by vLLM on CUDA; q/k/v and gate/up of each layer share "

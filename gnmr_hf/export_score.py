@@ -36,6 +36,10 @@ SCORED_FORMATS = ("compressed-tensors", "gguf")
 HOW_TO_ASK = ("not scored: give --score-data FILE (held-out text) to score the export against the merged BF16 "
               "model and the uniform low form")
 
+# the compressed-tensors card's line for an unscored folder (gnmr_hf.export_ct.model_card), replaced when scored
+_NOT_MEASURED = ("Loss: not measured by the export (`gnmr-hf export --score-data FILE` scores it on held-out text "
+                 "against the merged BF16 model); score the folder with `gnmr-hf eval --model FOLDER`.")
+
 
 class ScoreError(ValueError):
     """The export cannot be scored (no tokenizer, too little text, an unscored format): one line."""
@@ -228,7 +232,9 @@ def record(folder: str | os.PathLike, r: dict[str, Any]) -> None:
         raise ExportError(f"{folder} is not an export folder")
     card = folder / "README.md"
     if card.is_file():
-        card.write_text(card.read_text().rstrip("\n") + "\n\n" + card_section(r))
+        # the compressed-tensors card (gnmr_hf.export_ct.model_card) says the loss was not measured: now it is
+        body = card.read_text().replace(_NOT_MEASURED, "Loss: measured by the export, below (\"Measured by the export\").")
+        card.write_text(body.rstrip("\n") + "\n\n" + card_section(r))
     marker = folder / MARKER
     if marker.is_file():
         data = json.loads(marker.read_text())

@@ -137,6 +137,7 @@ def test_compressed_tensors_export_scores_itself_with_the_adapter_merged(llama, 
     assert "## Measured by the export" in card and f"{BLOCKS * (BLOCK - 1)} tokens scored" in card
     for v in (merged, export, uniform):
         assert f"| {v:.4f} |" in card
+    assert "not measured by the export" not in card and "Loss: measured by the export" in card
     assert "held.txt" in card and str(text.parent) not in card  # the file's name, not this machine's folder
     marker = json.loads((out / ".gnmr_export.json").read_text())["measured_by_export"]
     assert marker["tokens"] == tokens and marker["merged"] == pytest.approx(want_merged, abs=1e-5)
@@ -184,7 +185,9 @@ def test_no_score_data_scores_nothing_and_says_how(llama, tmp_path, capsys):
                           "--group-size", GS, "--output", out)
     assert rc == 0, err
     assert lines[-1] == HOW_TO_ASK and not any("scored on" in x for x in lines)
-    assert (out / "config.json").is_file() and "Measured by the export" not in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert (out / "config.json").is_file() and "Measured by the export" not in card
+    assert "Loss: not measured by the export" in card
     assert "measured_by_export" not in json.loads((out / ".gnmr_export.json").read_text())
 
 
