@@ -40,4 +40,4 @@ def describe(s: dict[str, Any]) -> str:
     """The line ``gnmr-hf export`` prints for the file written."""
     linears = ", ".join(f"{t} {n}" for t, n in sorted(s["linears_by_type"].items()))
     return (f"wrote {s['file']} (GGUF, {s['architecture']}, for llama.cpp): decoder linears {linears}; "
-            f"{s['bytes'] / 2**20:.1f} MiB on disk; tokenizer from {s['tokenizer']}")
+            f"{s['bytes'] / 2**20:.1f} MiB on disk; tokenizer {s['tokenizer']}")
