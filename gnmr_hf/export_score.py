@@ -157,12 +157,14 @@ def gguf_fake_quantize(model, qtype: str):
 
 def score_export(model_path: str | os.PathLike, export_path: str | os.PathLike, fmt: str,
                  adapter: str | os.PathLike | None, text: str, block: int = 256, blocks: int = 16,
-                 group_size: int = 128, low_type: str = "Q4_0", source: str = "the given text") -> dict[str, Any]:
+                 group_size: int = 128, low_type: str = "Q4_0", source: str = "the given text",
+                 planned: bool = True) -> dict[str, Any]:
     """Score the export at ``export_path`` (``fmt``: ``"compressed-tensors"`` folder or ``"gguf"`` file) on the
     held-out ``text`` against the merged BF16 model and the uniform low form (W4A16 at ``group_size``; the GGUF
     ``low_type``), all in FP32 on the same blocks. Returns the figures: ``merged``, ``export``, ``uniform``
     (mean NLL, nats), ``kept``, ``tokens``, ``blocks``, ``block``, ``uniform_form``, ``warning`` (bool),
-    ``source``. Raises :class:`ScoreError` in one line when it cannot score."""
+    ``source``, ``planned``. ``planned=False``: the export is the uniform baseline itself (``--uniform``, an empty
+    plan), never warned about. Raises :class:`ScoreError` in one line when it cannot score."""
     import copy
 
     from gnmr_hf.planning.int4 import fake_quantize_model
@@ -187,14 +189,16 @@ def score_export(model_path: str | os.PathLike, export_path: str | os.PathLike, 
     export, _ = nll(served, blks)
     return {"merged": merged, "export": export, "uniform": uniform, "kept": kept_share(merged, export, uniform),
             "tokens": tokens, "blocks": len(blks), "block": block, "uniform_form": form, "source": source,
-            "adapter": adapter is not None, "warning": loses_more(merged, export, uniform)}
+            "adapter": adapter is not None, "planned": planned,
+            "warning": planned and loses_more(merged, export, uniform)}
 
 
 def score_line(r: dict[str, Any]) -> str:
     """The one line ``gnmr-hf export`` prints."""
     return (f"scored on {r['tokens']} held-out tokens ({r['blocks']} x {r['block']} from the end of {r['source']}): "
             f"merged BF16 NLL {r['merged']:.4f}, export {r['export']:.4f}, uniform {r['uniform']:.4f}; "
-            f"the export keeps {r['kept']:.3f} of the uniform-to-merged gap")
+            f"the export keeps {r['kept']:.3f} of the uniform-to-merged gap"
+            + ("" if r.get("planned", True) else " (the export is the uniform baseline: no plan)"))
 
 
 def warning_line(r: dict[str, Any]) -> str | None:
@@ -217,7 +221,8 @@ def card_section(r: dict[str, Any]) -> str:
              f"| this export, as its loader reads it | {r['export']:.4f} |",
              f"| uniform: {r['uniform_form']} | {r['uniform']:.4f} |", "",
              f"Share of the uniform-to-merged gap this export keeps: **{r['kept']:.3f}** "
-             "((uniform - export) / (uniform - merged)).", ""]
+             "((uniform - export) / (uniform - merged))."
+             + ("" if r.get("planned", True) else " This export is the uniform baseline itself (no plan)."), ""]
     w = warning_line(r)
     if w:
         lines += [w, ""]
@@ -239,5 +244,6 @@ def record(folder: str | os.PathLike, r: dict[str, Any]) -> None:
     if marker.is_file():
         data = json.loads(marker.read_text())
         data["measured_by_export"] = {k: r[k] for k in ("merged", "export", "uniform", "kept", "tokens", "blocks",
-                                                        "block", "uniform_form", "source", "warning")}
+                                                        "block", "uniform_form", "source", "planned",
+                                                        "warning")}
         marker.write_text(json.dumps(data, indent=1) + "\n")

@@ -177,6 +177,15 @@ def test_gguf_export_scores_itself(bpe_llama, text, plan, tmp_path, capsys):
     assert abs(want[2] - want[0]) > 1e-3 and abs(want[1] - want[2]) > 1e-4
     assert tokens == BLOCKS * (BLOCK - 1)
     assert out.is_file() and not (tmp_path / "README.md").exists()  # one file: no card to write
+    # the uniform baseline scores as the uniform form, and is not warned about (it has no plan)
+    rc, lines, err = _run(capsys, "--model", llama, "--uniform", "Q4_0", "--format", "gguf", "--output",
+                          tmp_path / "u.gguf", "--score-data", text, "--score-block", BLOCK, "--score-blocks", BLOCKS)
+    assert rc == 0, err
+    _, merged_u, export_u, uniform_u, kept_u = _printed(lines)
+    assert (merged_u, export_u, uniform_u) == pytest.approx((want[0], want[2], want[2]), abs=1e-4)
+    # near 0: the file and the torch quantiser differ by float order only (~1e-5 nats), over a gap of ~1e-3 here
+    assert abs(kept_u) < 0.05 and "the uniform baseline" in lines[-1]
+    assert loses_more(merged_u, export_u, uniform_u) and not any(x.startswith("warning:") for x in lines)
 
 
 def test_no_score_data_scores_nothing_and_says_how(llama, tmp_path, capsys):
