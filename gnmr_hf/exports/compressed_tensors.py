@@ -25,7 +25,9 @@ def check_options(args) -> str | None:
 
 def run(args, model_path: str) -> dict[str, Any]:
     """:func:`gnmr_hf.export_ct.export_compressed_tensors` with the command's options."""
-    from gnmr_hf.export_ct import export_compressed_tensors  # torch (the planning package): imported when used
+    from gnmr_hf.export_ct import (
+        export_compressed_tensors,  # torch (the planning package): imported when used
+    )
 
     return export_compressed_tensors(model_path, args.plan, args.output, adapter=args.adapter,
                                      group_size=args.group_size, force=args.force, target=args.target)
