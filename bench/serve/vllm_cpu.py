@@ -134,7 +134,7 @@ def vllm_nll(venv: Path, folder: Path, ids_file: Path, threads: int, gen_tokens:
                           str(gen_tokens), str(batch), *(["eager"] if eager else [])],
                          capture_output=True, text=True, env=env)
     if out.returncode:
-        lines = out.stderr.strip().splitlines()
+        lines = (out.stdout + "\n" + out.stderr).strip().splitlines()  # the engine core logs to stdout
         # the root cause (vLLM's engine core logs it, then the engine's own "initialization failed" follows)
         cause = [ln for ln in lines if "Failed to find a kernel" in ln or "ValueError" in ln]
         errors = cause or [ln for ln in lines if "Error" in ln] or lines
