@@ -136,8 +136,11 @@ def vllm_nll(venv: Path, folder: Path, ids_file: Path, threads: int, gen_tokens:
     if out.returncode:
         lines = (out.stdout + "\n" + out.stderr).strip().splitlines()  # the engine core logs to stdout
         # the root cause (vLLM's engine core logs it, then the engine's own "initialization failed" follows)
-        cause = [ln for ln in lines if "Failed to find a kernel" in ln or "ValueError" in ln]
-        errors = cause or [ln for ln in lines if "Error" in ln] or lines
+        at = [i for i, ln in enumerate(lines) if "Failed to find a kernel" in ln or "ValueError" in ln]
+        if at:  # the cause and the reasons vLLM lists on the lines after it
+            i = at[0]
+            return {"refused": " ".join(ln.split("]", 1)[-1].strip() for ln in lines[i:i + 3])[:600]}
+        errors = [ln for ln in lines if "Error" in ln] or lines
         return {"refused": errors[-1].strip()[:600] if errors else f"rc {out.returncode}"}
     # vLLM logs to stdout too (its shutdown lines come after the worker's): the worker's line is the JSON one
     return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"nll"')][-1])
