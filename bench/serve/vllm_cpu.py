@@ -139,7 +139,7 @@ def vllm_nll(venv: Path, folder: Path, ids_file: Path, threads: int, gen_tokens:
         at = [i for i, ln in enumerate(lines) if "Failed to find a kernel" in ln or "ValueError" in ln]
         if at:  # the cause and the reasons vLLM lists on the lines after it
             i = at[0]
-            return {"refused": " ".join(ln.split("]", 1)[-1].strip() for ln in lines[i:i + 3])[:600]}
+            return {"refused": " ".join(ln.split("]", 1)[-1].strip() for ln in lines[i:i + 5])[:900]}
         errors = [ln for ln in lines if "Error" in ln] or lines
         return {"refused": errors[-1].strip()[:600] if errors else f"rc {out.returncode}"}
     # vLLM logs to stdout too (its shutdown lines come after the worker's): the worker's line is the JSON one
