@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             text = open(args.score_data, encoding="utf-8").read()
         except (OSError, UnicodeDecodeError) as e:
             return fail(f"--score-data {args.score_data}: {e}")
-    model_path = resolve_model(args.model)
     try:
+        model_path = resolve_model(args.model)
         summary = fmt.run(args, model_path)
     except fmt.errors as e:
         return fail(str(e))

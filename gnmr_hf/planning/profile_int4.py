@@ -107,7 +107,7 @@ def _budget(args: argparse.Namespace, prices, layout) -> int:
 
 def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype, out: Path, started: float) -> int:
     """See the module docstring."""
-    criteria = _criteria(args.criterion)
+    criteria = _criteria(getattr(args, "criterion", None) or "first_order")
     gs = 128 if args.group_size is None else args.group_size
     model = _load_bf16(args, model_path, dtype, gs)
     prices = plan_prices(model, ("int8", "bf16"), "int4", group_size=gs)
