@@ -96,19 +96,15 @@ def transformers_nll(gguf_file: Path, blocks: list[list[int]]) -> dict[str, Any]
     import torch
     from transformers import AutoModelForCausalLM
 
+    from gnmr_hf.export_score import nll
+
     if gguf_file.is_dir():
         model = AutoModelForCausalLM.from_pretrained(gguf_file, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
-    model.eval()
-    total, count, start = 0.0, 0, time.time()
-    with torch.no_grad():
-        for ids in blocks:
-            x = torch.tensor([ids])
-            logits = model(input_ids=x).logits[0, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-            count += len(ids) - 1
-    return {"nll": total / count, "tokens": count, "seconds": time.time() - start}
+    start = time.time()
+    mean, count = nll(model.eval(), blocks)
+    return {"nll": mean, "tokens": count, "seconds": time.time() - start}
 
 
 def heldout_blocks(model: str, n: int, block: int, source: str) -> list[list[int]]:

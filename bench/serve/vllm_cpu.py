@@ -158,24 +158,19 @@ def _serve_bench():
 
 def transformers_nll(folder: Path, base: Path, blocks: list[list[int]]) -> dict[str, Any]:
     """The NLL of ``blocks`` by transformers: the stock-loaded folder's served weights in an FP32 copy of ``base``
-    (the checkpoint itself is read in FP32 directly)."""
+    (the checkpoint itself is read in FP32 directly), scored as ``gnmr-hf export --score-data`` scores."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from gnmr_hf.export_score import nll, stock_ct_fp32
+
     start = time.time()
-    probe = torch.tensor([blocks[0][:8]])
     if folder.resolve() == base.resolve():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     else:
-        model = _serve_bench().served_fp32(folder, base, probe)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids in blocks:
-            x = torch.tensor([ids])
-            logits = model(input_ids=x).logits[0, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
-            count += len(ids) - 1
-    return {"nll": total / count, "tokens": count, "seconds": time.time() - start}
+        model = stock_ct_fp32(folder, base, blocks[0][:8])
+    mean, count = nll(model, blocks)
+    return {"nll": mean, "tokens": count, "seconds": time.time() - start}
 
 
 def heldout_blocks(base: Path, n: int, source: str) -> list[list[int]]:
