@@ -189,7 +189,7 @@ def _score(args, model_path: str, summary: dict, text: str | None) -> None:
     try:
         r = score_export(model_path, summary["file"] if gguf else summary["folder"], args.fmt, args.adapter, text,
                          block=args.score_block, blocks=args.score_blocks, group_size=summary.get("group_size") or 128,
-                         low_type=args.uniform or args.low_type or "Q4_0", source=os.path.basename(args.score_data),
+                         low_type=summary["rung_types"]["low"] if gguf else "Q4_0", source=os.path.basename(args.score_data),
                          planned=len(summary["linears_by_type"]) > 1 if gguf else bool(summary.get("rungs")))
     except ScoreError as e:
         print(str(e))

@@ -287,6 +287,8 @@ def _profiled_against(plan: Plan | None, group_size: int | None) -> tuple[int, s
     plan, a mapping) is accepted at ``group_size`` (default 128)."""
     if plan is None:
         return group_size or 128, "not recorded (the rungs were given as a mapping)"
+    if plan.is_gguf:
+        raise ExportError(f"{plan.source or 'the plan'} was {plan.export_only}")
     if not plan.is_int4:
         low = plan.data.get("low") if isinstance(plan.data.get("low"), str) else None  # recorded, or not
         if low:

@@ -129,6 +129,20 @@ def _read_plan(plan: str | os.PathLike | Mapping[str, str] | None) -> tuple[dict
     return dict(loaded.rungs), dict(loaded.data), loaded.source
 
 
+def _low_type(data: Mapping[str, Any], plan_path: Path | None, low_type: str | None) -> str:
+    """The low linears' type: a GGUF plan's own (another explicit type refused), else ``low_type`` or Q4_0."""
+    from gnmr_hf.planning.plan import GGUF_LOWS  # torch (the planning package): keeps --help light
+
+    planned = GGUF_LOWS.get(str(data.get("low")))
+    if planned is None:
+        return low_type or DEFAULT_RUNG_TYPES["low"]
+    if low_type is not None and str(low_type).upper() != planned:
+        raise ExportError(f"--low-type {low_type}: {plan_path} was profiled against {planned} (its gains rank that "
+                          f"type's errors): leave --low-type out (or give {planned}), or profile again with "
+                          f"--low {str(low_type).lower()}")
+    return planned
+
+
 def _architecture(config: dict[str, Any], model_path: Path) -> str:
     archs = config.get("architectures") or []
     arch = archs[0] if archs else config.get("model_type")
@@ -155,7 +169,7 @@ def _check_output(output: str | os.PathLike, force: bool) -> Path:
 
 
 def export_gguf(model: str | os.PathLike, plan: str | os.PathLike | Mapping[str, str] | None, output: str | os.PathLike,
-                adapter: str | os.PathLike | None = None, low_type: str = "Q4_0",
+                adapter: str | os.PathLike | None = None, low_type: str | None = None,
                 rung_types: Mapping[str, str] | None = None, uniform: str | None = None,
                 embedding_type: str = "BF16", force: bool = False) -> dict[str, Any]:
     """Write ``model`` (with ``adapter`` merged) as one GGUF file, each decoder linear at its rung's type.
@@ -166,7 +180,9 @@ def export_gguf(model: str | os.PathLike, plan: str | os.PathLike | Mapping[str,
             folder (:meth:`gnmr_hf.planning.plan.Plan.load`), or None with ``uniform``.
         output: the ``.gguf`` file to write (a temporary file beside it, renamed into place, mode 0644).
         adapter: a PEFT LoRA folder merged into the BF16 weights first (``merge_and_unload``).
-        low_type: the type of every decoder linear the plan does not name.
+        low_type: the type of every decoder linear the plan does not name; None (the default): the plan's own
+            for a plan profiled against a GGUF type (``gnmr-hf profile --serve gguf``: its ``low``, another type is
+            refused), else ``Q4_0``.
         rung_types: rung -> GGUF type, over :data:`DEFAULT_RUNG_TYPES` (``{"int8": "Q5_1"}``).
         uniform: every decoder linear at this type (the uniform baseline; ``plan`` must be None).
         embedding_type: the token embedding's (and an untied ``lm_head``'s) type.
@@ -184,14 +200,14 @@ def export_gguf(model: str | os.PathLike, plan: str | os.PathLike | Mapping[str,
             raise ExportError("give a plan or uniform=TYPE, not both")
         uniform = check_type(uniform, "uniform type")
         types = {"low": uniform}
-    else:
-        types = {**DEFAULT_RUNG_TYPES, "low": low_type, **dict(rung_types or {})}
-        types = {rung: check_type(t, f"the {rung} rung's type") for rung, t in types.items()}
     embedding_type = check_type(embedding_type, "embedding type")
+    rungs, data, plan_path = _read_plan(plan)
+    if uniform is None:
+        types = {**DEFAULT_RUNG_TYPES, "low": _low_type(data, plan_path, low_type), **dict(rung_types or {})}
+        types = {rung: check_type(t, f"the {rung} rung's type") for rung, t in types.items()}
     model_path, alias = _resolve(model)
     config = check_model_folder(model_path)
     arch = _architecture(config, model_path)
-    rungs, data, plan_path = _read_plan(plan)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     out = _check_output(output, force)
@@ -356,9 +372,9 @@ def _write(model, arch: str, config_json: dict[str, Any], model_path: Path, alia
             data = _permute(data, heads, kv)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             data = data + 1.0  # Gemma3Model.norm_shift
-        if module in planned:
+        if module in planned and data.dim() > 1:
             qtype = planned[module]
-        elif data.dim() == 1:
+        elif data.dim() == 1:  # norms and biases, as the converter writes them
             qtype = "F32"
         else:
             qtype = embedding_type
@@ -458,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", help="profile.json (or its folder) holding the plan; leave out with --uniform")
     parser.add_argument("--adapter", help="PEFT LoRA folder merged into the BF16 weights first")
     parser.add_argument("--output", required=True, help="the .gguf file to write")
-    parser.add_argument("--low-type", default="Q4_0", help="type of every decoder linear the plan leaves low")
+    parser.add_argument("--low-type", default=None, help="type of every decoder linear the plan leaves low (default: "
+                        "a GGUF plan's own, else Q4_0)")
     parser.add_argument("--int8-type", default="Q8_0", help="type of the plan's int8 rung")
     parser.add_argument("--bf16-type", default="BF16", help="type of the plan's bf16 rung")
     parser.add_argument("--uniform", metavar="TYPE", help="every decoder linear at TYPE (no plan)")

@@ -138,20 +138,17 @@ def gguf_fp32(file: str | os.PathLike):
 
 def gguf_fake_quantize(model, qtype: str):
     """``model`` (in place) with every decoder linear quantised-dequantised at GGUF type ``qtype`` by the
-    ``gguf`` package (the export's quantiser, on the weight in FP32 as the export hands it over). Returns it."""
-    import gguf
+    ``gguf`` package (the export's quantiser, :func:`gnmr_hf.planning.gguf_plan.gguf_fake_quant`). Returns it."""
     import torch
 
+    from gnmr_hf.planning.gguf_plan import gguf_fake_quant
     from gnmr_hf.planning.groups import decoder_linears
 
-    quant = gguf.GGMLQuantizationType[qtype]
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name in decoder_linears(model):
             w = modules[name].weight
-            data = w.detach().to(torch.float32).numpy()
-            back = gguf.quants.dequantize(gguf.quants.quantize(data, quant), quant)
-            w.copy_(torch.from_numpy(back.reshape(data.shape)).to(w.dtype))
+            w.copy_(gguf_fake_quant(w, qtype))
     return model
 
 

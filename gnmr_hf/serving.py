@@ -26,7 +26,7 @@ class ServeTarget:
     Attributes:
         name: the target's name (``--serve``, ``--target``).
         lows: the low formats of a plan it serves (``"int4"``: compressed-tensors W4A16; ``"nf4"``/``"fp4"``/
-            ``"int8"``: bitsandbytes).
+            ``"int8"``: bitsandbytes; ``"q4_0"`` ...: a GGUF type), the first the one ``--serve`` plans over.
         rungs: the rungs above the low it serves (the planner may buy only these).
         groups: ``"vllm"`` when fused linears (q/k/v, gate/up) must share a rung, None when each linear is free.
         export_format: the ``gnmr-hf export --format`` that writes a folder or file for it.
@@ -52,9 +52,11 @@ TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
     ServeTarget("transformers", ("int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None, "compressed-tensors",
                 "run here: tests/test_export_ct.py, tests/test_export.py, bench/value/serve_bench.py (stock "
                 "from_pretrained of the folder, no arguments)"),
-    ServeTarget("gguf", ("int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None, "gguf",
+    ServeTarget("gguf", ("q4_0", "q4_1", "q5_0", "q5_1", "int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None,
+                "gguf",
                 "run here: bench/serve/gguf_llamacpp.py (llama.cpp through llama-cpp-python 0.3.36, and "
-                "transformers' GGUF loader); int8 is written as Q8_0, bf16 as BF16, the low linears at --low-type"),
+                "transformers' GGUF loader); int8 is written as Q8_0, bf16 as BF16, the low linears at the plan's "
+                "GGUF type (gnmr-hf profile --serve gguf) or --low-type (a plan over another low, re-typed)"),
     ServeTarget("bitsandbytes", ("nf4", "fp4", "int8"), ("bf16",), None, "bitsandbytes",
                 "run here: tests/test_export.py (transformers with bitsandbytes); vLLM 0.32.0's CPU build refuses "
                 "a bitsandbytes folder (Unknown quantization method: bitsandbytes), and its "

@@ -157,7 +157,7 @@ def test_profile_serve_vllm_cpu_buys_only_bf16_groups_and_the_export_follows_the
 @pytest.mark.parametrize("extra, want", [
     (["--serve", "vllm-cpu", "--low", "nf4"], "--serve vllm-cpu serves int4 low formats, not --low nf4"),
     (["--serve", "vllm-cpu", "--low", "int4", "--groups", "none"], "--groups none plans that it cannot load"),
-    (["--serve", "gguf"], "--serve gguf: a plan profiled against the GGUF quantisers is not built yet"),
+    (["--serve", "gguf", "--low", "nf4"], "--serve gguf plans over a GGUF type (q4_0, q4_1, q5_0, q5_1), not --low nf4"),
 ])
 def test_bad_serve_requests_are_one_line(model_dir, tmp_path, extra, want):
     rc, _, err = _profile("--model", model_dir, "--output", tmp_path / "p", *extra)

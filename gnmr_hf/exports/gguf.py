@@ -32,7 +32,7 @@ def check_options(args) -> str | None:
 
 def run(args, model_path: str) -> dict[str, Any]:
     """:func:`gnmr_hf.export_gguf.export_gguf` with the command's options."""
-    return export_gguf(model_path, args.plan, args.output, adapter=args.adapter, low_type=args.low_type or "Q4_0",
+    return export_gguf(model_path, args.plan, args.output, adapter=args.adapter, low_type=args.low_type,
                        uniform=args.uniform, force=args.force)
 
 

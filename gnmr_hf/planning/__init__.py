@@ -62,8 +62,10 @@ One file per job (docs/design.md, "Layout"):
 ``budget``          budget currencies (memory over the all-low model; a size; a share) and the price table
 ``skiplist``        :func:`skip_modules`: the names a stock ``BitsAndBytesConfig`` keeps unquantised
 ``ladder``          the precision ladder: INT8 and BF16 rungs under one memory budget, :func:`load_planned`
+``gguf_plan``       a plan over a GGUF type (``q4_0`` ...): the file's ggml blocks as quantise-dequantise, its tensor
+                    bytes as prices, the first-order rung gains (``gnmr-hf profile --serve gguf``)
 ``cli``             ``gnmr-hf profile``: its flags and data; ``profile_run`` (bitsandbytes low formats) and
-                    ``profile_int4`` (``--low int4``) run it
+                    ``profile_int4`` (``--low int4`` and ``--serve gguf``) run it
 ==================  ========================================================================================
 
 The plot is :func:`gnmr_hf.reporting.profile_plot.plot_profile`.

@@ -21,6 +21,7 @@ from gnmr_hf.memory import (
     predict_model_bytes,
     weight_bytes,
 )
+from gnmr_hf.planning.plan import LOWS
 from gnmr_hf.planning.results import _fmt, _pct
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def served_budget(text: str, low_model_bytes: int, all_bf16_price: int, low: str
     Raises:
         ValueError: a budget that is not one of these forms, or memory over another low path (one line).
     """
-    memory = parse_memory_budget(str(text), lows=("nf4", "fp4", "int8", "int4"))
+    memory = parse_memory_budget(str(text), lows=LOWS)
     if memory is not None:
         fraction, cur = memory
         if cur != low:

@@ -16,6 +16,7 @@ from gnmr_hf.memory import parse_budget, parse_memory_budget
 from gnmr_hf.offline.gguf_models import MODELS, resolve_model
 from gnmr_hf.offline.text_data import read_text_file
 from gnmr_hf.planning.criteria import CRITERIA, DEFAULT_CRITERION, _criteria
+from gnmr_hf.planning.plan import GGUF_LOWS, LOWS
 from gnmr_hf.planning.profile_int4 import INT4_POINTS, run_int4  # noqa: F401  (INT4_POINTS re-exported)
 from gnmr_hf.planning.profile_run import PRICE_POINTS, ProfileError, examples, run_bnb  # noqa: F401
 from gnmr_hf.reporting.report import OneLineErrorParser
@@ -25,7 +26,7 @@ from gnmr_hf.serving import serve_target
 # ------------------------------------------------------------------------------------------ CLI
 
 
-_LOW = ("nf4", "fp4", "int8", "int4")
+_LOW = LOWS  # nf4, fp4, int8, int4 and the GGUF types (q4_0, q4_1, q5_0, q5_1)
 _TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 
 
@@ -35,6 +36,8 @@ PROFILE_EPILOG = """examples:
   gnmr-hf profile --output prof --criterion first_order,loss --heldout-batches 2   compare criteria
   gnmr-hf profile --model PATH --low int4 --group-size 64 --budget +10%int4 --data docs.txt --output prof
                                                              a ladder for gnmr-hf export --format compressed-tensors
+  gnmr-hf profile --serve gguf --budget +10%q4_0 --data docs.txt --output prof
+                                                             a ladder over Q4_0 (Q8_0 / BF16 rungs) for --format gguf
   gnmr-hf eval --model PATH --precision nf4 --skip-modules prof/profile.json --adapter ADAPTER
                                                              score an adapter on the planned mixed base
 
@@ -60,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "a precision-ladder plan (INT8 / BF16 rungs, first-order gains ct_rung_gains) for gnmr-hf "
                         "export --format compressed-tensors, budgets in the folder's bytes over uniform W4A16 "
                         "(+10%%int4, a size over it, or a share N%% of what every decoder linear on BF16 would cost "
-                        "over it), grouped for vLLM by default; --criterion, --storage and --no-ladder do not apply")
+                        "over it), grouped for vLLM by default; --storage and --no-ladder do not apply. q4_0, q4_1, "
+                        "q5_0, q5_1 (--serve gguf, default q4_0): a ladder over that GGUF type with Q8_0 (int8) and "
+                        "BF16 rungs, profiled against the gguf package's own quantisers, budgets in the GGUF file's "
+                        "tensor bytes over the uniform file (+10%%q4_0), for gnmr-hf export --format gguf")
     p.add_argument("--group-size", type=int, default=None,
                    help="--low int4: the INT4 group the export will use (default 128, vLLM's W4A16 preset; it must "
                         "divide every decoder linear's input size); recorded in profile.json for the export")
@@ -109,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server the plan is for: the planner buys only the rungs it serves and keeps the groups "
                         "it fuses, and the plan records it (gnmr-hf export refuses it for another target). vllm-cpu: "
                         "W4A16 with BF16 groups (--low int4; vLLM's CPU build has no W8A16 kernel); vllm-gpu: W4A16 "
-                        "with INT8 and BF16 groups (--low int4); bitsandbytes: NF4/FP4 with BF16 linears; "
-                        "transformers: any. docs/serving.md: which server serves what")
+                        "with INT8 and BF16 groups (--low int4); gguf: llama.cpp, a GGUF type (--low q4_0 by default) "
+                        "with Q8_0 and BF16 linears; bitsandbytes: NF4/FP4 with BF16 linears; transformers: any. "
+                        "docs/serving.md: which server serves what")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -252,7 +259,7 @@ def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
         parse_budget(args.budget)  # a malformed budget: one line before anything loads
     criteria = _criteria(args.criterion)
     if not int4 and args.groups == "none":
-        args.groups = None  # free, the default of the bitsandbytes low paths
+        args.groups = None  # free, the default of the bitsandbytes and GGUF low paths
     for flag in ("batches", "batch_size", "max_seq_len", "threads", "group_size"):
         v = getattr(args, flag)
         if v is not None and v < 1:
@@ -330,8 +337,12 @@ def _apply_serve(args: argparse.Namespace) -> None:
         return
     target = serve_target(serve)
     if serve == "gguf":
-        raise ProfileError("--serve gguf: a plan profiled against the GGUF quantisers is not built yet; plan with "
-                           "--low int4 --group-size 32 (Q4_0's block) and export it with --format gguf")
+        if args.low is not None and args.low not in GGUF_LOWS:
+            raise ProfileError(f"--serve gguf plans over a GGUF type ({', '.join(GGUF_LOWS)}), not --low {args.low}: "
+                               "its gains rank the file's own quantiser's errors")
+        args.low = args.low or "q4_0"
+        args.serve_rungs = target.rungs
+        return
     if args.low is not None and args.low not in target.lows:
         raise ProfileError(f"--serve {serve} serves {', '.join(target.lows)} low formats, not --low {args.low}")
     if target.groups and args.groups == "none":
@@ -355,8 +366,9 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    int4 = args.low == "int4"
-    for pkg in ("transformers", "peft", "datasets") if int4 else ("transformers", "bitsandbytes", "peft", "datasets"):
+    int4 = args.low == "int4" or args.low in GGUF_LOWS  # the BF16 model and an export's quantisers in torch
+    needs = ("transformers", "peft", "datasets") if int4 else ("transformers", "bitsandbytes", "peft", "datasets")
+    for pkg in needs + (("gguf",) if args.low in GGUF_LOWS else ()):
         require(pkg, "gnmr-hf profile")
     started = time.time()
     model_path = _model_folder(args)

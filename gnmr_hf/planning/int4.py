@@ -9,7 +9,7 @@ them; nothing here needs the compressed-tensors library.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gnmr_hf.planning.groups import (
@@ -90,11 +90,8 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
     :func:`export_compressed_tensors` (a plan profiled against NF4 ranks another quantiser's errors).
 
     The low point is the uniform W4A16 model exactly: each decoder linear's weight replaced by
-    :func:`int4_fake_quant` of its BF16 value (bit-exact to the served weight). One forward and backward per
-    batch there gives ``dL/dW`` at that point, and a rung's gain is ``-<dL/dW, W_rung - W_low>`` summed over the
-    batches (``W_rung``: :func:`int8_fake_quant` of the BF16 weight, or the BF16 weight), the same first-order
-    estimate as :func:`gnmr_hf.planning.ladder.rung_gains` (``-<dL/dy, y_rung - y_low>`` summed over tokens,
-    since ``y = x W^T``).
+    :func:`int4_fake_quant` of its BF16 value (bit-exact to the served weight); ``W_rung`` is
+    :func:`int8_fake_quant` of the BF16 weight, or the BF16 weight (:func:`fake_quant_rung_gains`).
 
     Args:
         model: the BF16 checkpoint loaded in the dtype to compute in (FP32: its weights are the BF16 values
@@ -106,6 +103,23 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
     Returns:
         ``LadderUnit`` per linear (:class:`gnmr_hf.planning.ladder.LadderUnit`), prices from :func:`ct_rung_prices`:
         feed them to ``choose_rungs`` (with the serving groups for vLLM).
+    """
+    return fake_quant_rung_gains(model, batches, lambda w: int4_fake_quant(w, group_size),
+                                 {"int8": int8_fake_quant, "bf16": lambda w: w},
+                                 lambda rows, cols: ct_rung_prices(rows, cols, group_size), linears)
+
+
+def fake_quant_rung_gains(model, batches, low_quant: Callable, rung_quants: Mapping[str, Callable],
+                          prices: Callable[[int, int], dict[str, int]], linears: list[str] | None = None) -> list[Any]:
+    """Every decoder linear's first-order gain on each rung of ``rung_quants`` at the uniform-low point of an
+    export whose quantisers are given as quantise-dequantise functions of the BF16 weight.
+
+    The low point: each decoder linear's weight replaced by ``low_quant`` of its BF16 value. One forward and
+    backward per batch there gives ``dL/dW``, and a rung's gain is ``-<dL/dW, W_rung - W_low>`` summed over the
+    batches (``W_rung = rung_quants[rung](W_bf16)``), the same first-order estimate as
+    :func:`gnmr_hf.planning.ladder.rung_gains` (``-<dL/dy, y_rung - y_low>`` summed over tokens, since
+    ``y = x W^T``). ``prices(out_features, in_features)``: each rung's bytes over the low form. The model's
+    weights, ``requires_grad`` flags and training mode are restored before returning.
     """
     import torch
 
@@ -120,7 +134,7 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
             p.requires_grad_(False)
         for n in names:
             w = modules[n].weight
-            w.data.copy_(int4_fake_quant(originals[n].to(torch.bfloat16), group_size).to(w.dtype))
+            w.data.copy_(low_quant(originals[n].to(torch.bfloat16)).to(w.dtype))
             w.grad = None
             w.requires_grad_(True)
         model.eval()
@@ -134,10 +148,10 @@ def ct_rung_gains(model, batches, group_size: int = 128, linears: list[str] | No
             bf16 = originals[n].to(torch.bfloat16)
             low = w.detach()
             grad = w.grad.to(torch.float64)
-            gains = {"int8": -float((grad * (int8_fake_quant(bf16).to(low.dtype) - low).to(torch.float64)).sum()),
-                     "bf16": -float((grad * (bf16.to(low.dtype) - low).to(torch.float64)).sum())}
+            gains = {r: -float((grad * (q(bf16).to(low.dtype) - low).to(torch.float64)).sum())
+                     for r, q in rung_quants.items()}
             rows, cols = w.shape
-            units.append(LadderUnit(n, w.numel(), rows, gains=gains, prices=ct_rung_prices(rows, cols, group_size)))
+            units.append(LadderUnit(n, w.numel(), rows, gains=gains, prices=prices(rows, cols)))
     finally:
         for n in names:
             w = modules[n].weight

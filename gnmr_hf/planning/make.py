@@ -7,7 +7,8 @@ the same way, in three steps a caller may also take one by one:
 :func:`plan_prices` each planned linear's price on each rung in the one currency: what it adds to the *served*
                     model over storing it in the low format (bitsandbytes' bytes for ``nf4``/``fp4``/``int8``
                     with their quant states, :func:`gnmr_hf.planning.budget.rung_price`; the
-                    compressed-tensors folder's bytes for ``int4``, :func:`gnmr_hf.planning.int4.ct_rung_prices`),
+                    compressed-tensors folder's bytes for ``int4``, :func:`gnmr_hf.planning.int4.ct_rung_prices`;
+                    the GGUF file's tensor bytes for ``q4_0`` ..., :func:`gnmr_hf.planning.gguf_plan.gguf_rung_prices`),
                     and the all-low model's bytes; read from the shapes, nothing measured
 :func:`plan_budget` the budget in that currency (``+10%nf4``: 10 % of the all-low model's bytes; ``300MB``: that
                     many bytes; ``10%``: a tenth of what every planned linear on its dearest rung adds), refused
@@ -16,8 +17,9 @@ the same way, in three steps a caller may also take one by one:
 :func:`plan_gains`  each linear's gain on each rung from the batches: the sensitivity profile's criterion for a
                     BF16-only plan (:func:`gnmr_hf.planning.profiler.profile_sensitivity`, a dual-path model);
                     by default the first-order rung gains for the ladder (:func:`gnmr_hf.planning.ladder.rung_gains`,
-                    on a stock low model it loads and frees) or over INT4
-                    (:func:`gnmr_hf.planning.int4.ct_rung_gains`), and any other registered criterion once per
+                    on a stock low model it loads and frees), over INT4
+                    (:func:`gnmr_hf.planning.int4.ct_rung_gains`) or over a GGUF type
+                    (:func:`gnmr_hf.planning.gguf_plan.gguf_rung_gains`), and any other registered criterion once per
                     rung, the rung's weight standing in for the high path
                     (:func:`gnmr_hf.planning.rung_criteria.criterion_rung_gains`)
 ==================  ========================================================================================
@@ -38,14 +40,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gnmr_hf.planning import int4, ladder, profiler, rung_criteria
+from gnmr_hf.planning import gguf_plan, int4, ladder, profiler, rung_criteria
 from gnmr_hf.planning.budget import budget_refusal, over_low_prices, rung_price, served_budget
 from gnmr_hf.planning.criteria import DEFAULT_CRITERION, gain_score, unknown_criterion
+from gnmr_hf.planning.gguf_plan import gguf_model_bytes, gguf_rung_prices
 from gnmr_hf.planning.groups import ServingLayoutError, decoder_linears, serving_groups
 from gnmr_hf.planning.int4 import ct_rung_prices, ct_shapes, ct_tensor_bytes
 from gnmr_hf.planning.ladder import LadderUnit, _stock_low, choose_rungs
 from gnmr_hf.planning.passes import _prepare_batches, _units
-from gnmr_hf.planning.plan import LOWS, Plan, PlanError
+from gnmr_hf.planning.plan import GGUF_LOWS, LOWS, Plan, PlanError
 from gnmr_hf.planning.planner import PrecisionPlan, measure_plan, serving_layout
 from gnmr_hf.planning.profiler import model_identity
 from gnmr_hf.planning.results import SensitivityProfile
@@ -84,6 +87,12 @@ def plan_prices(model, rungs: Sequence[str] = ("bf16",), low: str = "nf4", model
     rungs = tuple(rungs)
     if low not in LOWS:
         raise PlanError(f"low {low!r}: one of {', '.join(LOWS)}")
+    if low in GGUF_LOWS:
+        linears = decoder_linears(model)
+        mods = dict(model.named_modules())
+        shapes = {n: (mods[n].out_features, mods[n].in_features) for n in linears}
+        prices = {n: {r: p for r, p in gguf_rung_prices(*shapes[n], low).items() if r in rungs} for n in linears}
+        return PlanPrices(linears, shapes, prices, low, gguf_model_bytes(model, linears, {}, low), rungs)
     if low == "int4":
         gs = 128 if group_size is None else int(group_size)
         linears = decoder_linears(model)
@@ -157,7 +166,7 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
     why = unknown_criterion(criterion) if criterion is not None else None
     if why:
         raise PlanError(why)
-    if prices.rungs == ("bf16",) and prices.low != "int4":
+    if prices.rungs == ("bf16",) and prices.low != "int4" and prices.low not in GGUF_LOWS:
         criterion = criterion or DEFAULT_CRITERION
         if profile is None:
             owner = gain_score(criterion)[0]  # a score (output_rel) is its criterion's (output) to run
@@ -179,6 +188,8 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
         return PlanGains(units, criterion, len(batches), tokens)
     if prices.low == "int4":
         units = int4.ct_rung_gains(model, batches, prices.group_size, prices.linears)
+    elif prices.low in GGUF_LOWS:
+        units = gguf_plan.gguf_rung_gains(model, batches, prices.low, prices.linears)
     else:
         units = _stock_rung_gains(model, batches, prices, model_path, double_quant, dtype)
     for u in units:
@@ -215,7 +226,7 @@ def layout_of(model, groups: str | None, prices: PlanPrices):
     if groups is None:
         return None
     try:
-        if prices.low == "int4":
+        if prices.low == "int4" or prices.low in GGUF_LOWS:  # the BF16 model: its own modules
             return serving_groups(model, prices.linears)
         return serving_layout(groups, model=model, linears=prices.linears)
     except (ServingLayoutError, ValueError) as e:

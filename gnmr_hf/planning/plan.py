@@ -51,8 +51,13 @@ from gnmr_hf.strict_json import DuplicateKeyError, read_json
 SCHEMA_VERSION = 1
 #: the ``kind`` of a file :meth:`Plan.save` wrote
 KIND = "gnmr_hf.plan"
-#: the low formats a plan is made over (``int4``: the compressed-tensors export's W4A16)
-LOWS = ("nf4", "fp4", "int8", "int4")
+#: a GGUF plan's low (``gnmr-hf profile --serve gguf``) -> the ggml type its unplanned linears are written at
+GGUF_LOWS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
+#: the low formats a plan is made over (``int4``: the compressed-tensors export's W4A16; ``q4_0`` ...: a GGUF
+#: file's ggml types, :mod:`gnmr_hf.planning.gguf_plan`)
+LOWS = ("nf4", "fp4", "int8", "int4", *GGUF_LOWS)
+#: what refuses a GGUF plan where a bitsandbytes or compressed-tensors one is needed
+GGUF_PROFILE = "profiled against a GGUF file's ggml types (gnmr-hf profile --serve gguf): export it with --format gguf"
 #: the stock rungs a planned linear may be on, cheapest first; a plan takes any registered planned rung
 #: (:func:`gnmr_hf.rungs.planned_rungs`: these and any a user registers with :func:`gnmr_hf.rungs.register_rung`)
 RUNGS = ("int8", "bf16")
@@ -106,7 +111,7 @@ class Plan:
     Attributes:
         rungs: full linear name -> ``"int8"`` or ``"bf16"``; every other decoder linear is on ``low``.
         low: the low format (one of :data:`LOWS`).
-        group_size: the INT4 group size (``low == "int4"``); None for the bitsandbytes formats.
+        group_size: the INT4 group size (``low == "int4"``); None for the bitsandbytes and GGUF formats.
         groups: ``"vllm"`` when the plan buys whole serving groups, None for a free plan.
         rung_set: the rungs the plan was chosen over: ``("bf16",)`` (a BF16-only plan), ``("int8",)`` or
             ``("int8", "bf16")`` (the ladder).
@@ -181,11 +186,22 @@ class Plan:
         bitsandbytes load, skip list or folder serves it. The one place that asks."""
         return self.low == "int4"
 
+    @property
+    def is_gguf(self) -> bool:
+        """True for a plan over a GGUF file's ggml type (``gnmr-hf profile --serve gguf``: low ``q4_0`` ...)."""
+        return self.low in GGUF_LOWS
+
+    @property
+    def export_only(self) -> str | None:
+        """Why no bitsandbytes load, skip list or folder serves the plan (an INT4 or GGUF plan: what exports it),
+        or None for a plan over a bitsandbytes low format."""
+        return INT4_PROFILE if self.is_int4 else GGUF_PROFILE if self.is_gguf else None
+
     def require_bnb_low(self, who: str) -> Plan:
         """``self``, or one :class:`PlanError` line when the plan is over INT4 (``who``: what refuses it, e.g.
         ``"load_planned loads bitsandbytes low paths"``)."""
-        if self.is_int4:
-            raise PlanError(f"{self.source or 'the plan'} was {INT4_PROFILE}" + (f" ({who})" if who else ""))
+        if self.export_only:
+            raise PlanError(f"{self.source or 'the plan'} was {self.export_only}" + (f" ({who})" if who else ""))
         return self
 
     def on(self, rung: str) -> list[str]:
@@ -253,8 +269,8 @@ class Plan:
 
     def _require_bnb(self, what: str) -> None:
         where = f"{self.source} " if self.source else "the plan "
-        if self.is_int4:
-            raise PlanError(f"{where}was {INT4_PROFILE} (it has no {what})")
+        if self.export_only:
+            raise PlanError(f"{where}was {self.export_only} (it has no {what})")
         int8 = self.on("int8")
         if int8:
             raise PlanError(f"{where}puts {len(int8)} linear(s) on INT8 (e.g. {int8[0]}): no stock bitsandbytes "
@@ -289,7 +305,7 @@ class Plan:
             "rungs": dict(self.rungs), "keep_modules": list(self.keep_modules), "budget": self.budget,
             "budget_bytes": self.budget_bytes, "price_bytes": self.price_bytes,
             "model_identity": self.model_identity, "chosen_by": dict(self.chosen_by), "serve": self.serve}
-        if self.planned and not self.is_int4 and not self.not_in_skip_list():
+        if self.planned and not self.export_only and not self.not_in_skip_list():
             out["skip_modules"] = self.skip_modules()
         return out
 

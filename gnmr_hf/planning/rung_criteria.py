@@ -15,7 +15,9 @@ tokens). What stands in, per low format:
 - ``int4`` (the compressed-tensors export): the BF16 model with each decoder linear made a dual path for the
   call, its weight :func:`~gnmr_hf.planning.int4.int4_fake_quant` of its BF16 value (the served W4A16 weight),
   its high path the rung as that export serves it (INT8: :func:`~gnmr_hf.planning.int4.int8_fake_quant`, W8A16
-  per channel; BF16: the weight; another registered rung: its ``fake_quant``); the weights are restored after.
+  per channel; BF16: the weight; another registered rung: its ``fake_quant``); the weights are restored after;
+- a GGUF low (``q4_0`` ...: ``gnmr-hf profile --serve gguf``): the same, each weight as the GGUF file stores it
+  (:func:`~gnmr_hf.planning.gguf_plan.rung_fake_quant`: the low type, Q8_0 for INT8, BF16).
 
 Cost: the criterion's own passes once per rung (docs/criteria.md has the table).
 """
@@ -31,10 +33,11 @@ from torch import nn
 
 from gnmr_hf.backends.recovery import CheckpointRecovery
 from gnmr_hf.planning.criteria import REGISTRY, gain_score, unknown_criterion
+from gnmr_hf.planning.gguf_plan import rung_fake_quant
 from gnmr_hf.planning.int4 import int4_fake_quant, int8_fake_quant
 from gnmr_hf.planning.ladder import LadderUnit
 from gnmr_hf.planning.passes import _prepare_batches, _set_path, _Unit, _units
-from gnmr_hf.planning.plan import PlanError
+from gnmr_hf.planning.plan import GGUF_LOWS, PlanError
 from gnmr_hf.rungs import get_rung
 
 #: the INT8 rung's outlier threshold, as the ladder's gains and load_planned use it
@@ -136,9 +139,22 @@ def _bnb_paths(model) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
         _set_path(units, start)
 
 
-@contextlib.contextmanager
 def _int4_paths(model, linears: list[str], group_size: int) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
     """The BF16 model's decoder linears as dual paths over their W4A16 weights, and the rung switch."""
+    return _fake_quant_paths(model, linears, lambda w: int4_fake_quant(w, group_size), _ct_rung_weight)
+
+
+def _gguf_paths(model, linears: list[str], low: str) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
+    """The BF16 model's decoder linears as dual paths over their GGUF ``low`` weights, and the rung switch."""
+    return _fake_quant_paths(model, linears, lambda w: rung_fake_quant(w, "low", low),
+                             lambda rung, bf16, dtype: rung_fake_quant(bf16, rung, low).to(dtype))
+
+
+@contextlib.contextmanager
+def _fake_quant_paths(model, linears: list[str], low_quant: Callable,
+                      rung_weight: Callable) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
+    """The BF16 model's decoder linears as dual paths over ``low_quant`` of their BF16 weights, the high path of
+    ``use(rung)`` being ``rung_weight(rung, bf16, dtype)``; everything restored on exit."""
     modules = dict(model.named_modules())
     saved = {n: (type(modules[n]), modules[n].weight.detach().clone()) for n in linears}
     converted = []
@@ -146,7 +162,7 @@ def _int4_paths(model, linears: list[str], group_size: int) -> Iterator[tuple[li
         with torch.no_grad():
             for n in linears:
                 m, (_, orig) = modules[n], saved[n]
-                m.weight.copy_(int4_fake_quant(orig.to(torch.bfloat16), group_size).to(orig.dtype))
+                m.weight.copy_(low_quant(orig.to(torch.bfloat16)).to(orig.dtype))
                 _RungLinear.convert(m, _RungSource(n, "low", lambda: None))
                 converted.append(n)
         units = _units(model, "linears")
@@ -156,7 +172,7 @@ def _int4_paths(model, linears: list[str], group_size: int) -> Iterator[tuple[li
             for n in linears:
                 orig = saved[n][1]
                 modules[n]._gnmr_source = _RungSource(
-                    n, rung, lambda orig=orig: _ct_rung_weight(rung, orig.to(torch.bfloat16), orig.dtype))
+                    n, rung, lambda orig=orig: rung_weight(rung, orig.to(torch.bfloat16), orig.dtype))
 
         yield units, use
     finally:
@@ -188,6 +204,8 @@ def criterion_rung_gains(model, batches, prices, criterion: str, progress: bool 
     weights = [n / sum(counts) for n in counts]
     if prices.low == "int4":
         paths = _int4_paths(model, prices.linears, prices.group_size or 128)
+    elif prices.low in GGUF_LOWS:
+        paths = _gguf_paths(model, prices.linears, prices.low)
     else:
         paths = _bnb_paths(model)
     gains: dict[str, dict[str, float]] = {n: {} for n in prices.linears}
