@@ -89,9 +89,8 @@ from gnmr_hf.serving import EXPORT_TARGETS
 FORMATS = ("bitsandbytes", "compressed-tensors", "gguf")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="gnmr-hf export", description="Write the planned mixed model as a folder stock "
                                 "transformers loads with no arguments: pre-quantised bitsandbytes + the plan on BF16 "
@@ -99,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "per linear (--format compressed-tensors, ladder plans too; vLLM serves both).",
                                 epilog="examples: gnmr-hf export --model ~/.cache/gnmr_hf/smollm2-135m-instruct "
                                        "--plan prof/ --output smollm2-planned-nf4;  gnmr-hf export --model gemma3-270m "
-                                       "--plan run/profile.json --adapter run/ --format compressed-tensors --output g-ct")
+                                       "--plan run/profile.json --adapter run/ --format compressed-tensors --output g-ct;  gnmr-hf export "
+                                       "--model gemma3-270m --adapter run/ --format gguf --replan train.txt --output "
+                                       "g.gguf (planned anew for Q4_0 on the merged model)")
     p.add_argument("--model", required=True, help="the BF16 model folder (safetensors), or an offline alias")
     p.add_argument("--plan", default=None, help="profile.json (or the folder holding it) from gnmr-hf profile --budget "
                    "or a recipe (a ladder plan's rungs: --format compressed-tensors or --merge); required, except "
@@ -132,15 +133,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--score-data", default=None, metavar="FILE", help="compressed-tensors, gguf: held-out text to "
                    "score the export on against the merged BF16 model and the uniform low form (printed, and on the "
                    "card); without it nothing is scored")
+    p.add_argument("--replan", default=None, metavar="FILE", help="compressed-tensors, gguf: plan the export anew "
+                   "instead of --plan: the adapter merged, the merged model profiled against the export's own "
+                   "quantiser (INT4, or the --low-type GGUF type) on the start of this text (the run's own data), "
+                   "within --budget, for --target's rungs and groups; the plan saved as OUTPUT.plan.json, and the "
+                   "export scored on the text's last blocks unless --score-data names other text")
+    p.add_argument("--budget", default=None, help="--replan: memory over the uniform low form (default +10%%int4 or "
+                   "+10%%q4_0), a size (300MB) or a share (10%%)")
+    p.add_argument("--replan-batches", type=int, default=2, help="--replan: batches of 4 x 512 tokens to profile "
+                   "on (default 2)")
     p.add_argument("--score-block", type=int, default=256, help="tokens per scored block (default 256)")
     p.add_argument("--score-blocks", type=int, default=16, help="at most this many blocks, taken from the end of "
                    "--score-data (default 16)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args = _parser().parse_args(argv)
     def fail(msg: str) -> int:
         print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
         return 2
 
     fmt = get_format(args.fmt)
+    if args.replan is None and (args.budget is not None or args.replan_batches != 2):
+        return fail(f"--{'budget' if args.budget is not None else 'replan-batches'} goes with --replan (the export "
+                    "plans anew); a plan made before is --plan")
+    if args.replan is not None:
+        if args.plan or args.uniform:
+            return fail(f"--replan makes the plan: give it or --{'plan' if args.plan else 'uniform'}, not both")
+        if args.replan_batches < 1:
+            return fail(f"--replan-batches must be >= 1, got {args.replan_batches}")
+        if args.fmt not in ("compressed-tensors", "gguf"):
+            return fail(f"--replan is for --format compressed-tensors and gguf (an export whose low type is not the "
+                        f"training's), not {args.fmt}")
+        args.score_data = args.score_data or args.replan
     if args.fmt == "compressed-tensors" and args.uniform is not None:
         if args.uniform.lower() != "w4a16":
             return fail(f"--uniform {args.uniform}: --format compressed-tensors writes the uniform baseline as w4a16 "
@@ -150,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         args.plan = {}  # no planned linear: every decoder linear W4A16
     elif args.fmt != "gguf" and (args.low_type or args.uniform):
         return fail(f"--{'low-type' if args.low_type else 'uniform'} is --format gguf's (GGUF types)")
-    if args.fmt != "gguf" and not args.plan and args.plan != {}:
-        return fail("--plan is required (a profile.json, or the folder holding it)")
+    if args.fmt != "gguf" and not args.plan and args.plan != {} and args.replan is None:
+        return fail("--plan is required (a profile.json, or the folder holding it), or --replan DATA")
     bad = fmt.check(args)
     if bad:
         return fail(bad)
@@ -168,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"--score-data {args.score_data}: {e}")
     try:
         model_path = resolve_model(args.model)
+        if args.replan is not None:
+            args.plan = _replan(args, model_path, fmt)
         summary = fmt.run(args, model_path)
     except fmt.errors as e:
         return fail(str(e))
@@ -175,6 +205,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.fmt in SCORED_FORMATS:
         _score(args, model_path, summary, text)
     return 0
+
+
+def _replan(args, model_path: str, fmt) -> str:
+    """``--replan DATA``: the plan made for this export (:func:`gnmr_hf.export_replan.replan`), its file."""
+    import os
+
+    from gnmr_hf.export_replan import replan  # torch: keeps `gnmr-hf export --help` light
+
+    if args.fmt not in ("compressed-tensors", "gguf"):
+        raise ExportError(f"--replan is for --format compressed-tensors and gguf (an export whose low type is not "
+                            f"the training's), not {args.fmt}")
+    try:
+        text = open(args.replan, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ExportError(f"--replan {args.replan}: {e}") from None
+    keep = args.score_block * args.score_blocks if args.score_data == args.replan else 0
+    _, saved = replan(model_path, args.adapter, args.fmt, text, args.output, budget=args.budget,
+                      low_type=args.low_type, group_size=args.group_size, target=args.target,
+                      batches=args.replan_batches, keep_tail=keep, source=os.path.basename(args.replan),
+                      force=args.force)
+    return str(saved)
 
 
 def _score(args, model_path: str, summary: dict, text: str | None) -> None:

@@ -250,7 +250,9 @@ LAYERS = {
     # reads profile.json, prices, resolves aliases; its CLI's --format compressed-tensors calls export_ct (which
     # imports export's ExportError back at its top: export imports export_ct only inside main())
     "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json", "exports", "rungs",
-               "serving", "export_score"},
+               "serving", "export_score", "export_replan"},
+    # --replan: the export's own plan on the merged model (make_plan over INT4 or a GGUF type), scored as below
+    "export_replan": {"export_folder", "export_score", "planning", "serving"},
     # every export scores itself against the merged BF16 model: the marker's name, the uniform W4A16 fake quantiser
     "export_score": {"export_folder", "planning"},
     # what both exports share: the output-folder contract (paths only), the published model name (the alias list) and

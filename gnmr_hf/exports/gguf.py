@@ -25,8 +25,8 @@ def check_options(args) -> str | None:
         return "--group-size is the compressed-tensors INT4 group; a GGUF type's block is fixed (32 for Q4_0 / Q8_0)"
     if args.uniform and args.plan:
         return "give --plan or --uniform TYPE, not both"
-    if not args.uniform and not args.plan:
-        return "--format gguf needs --plan (a profile.json) or --uniform TYPE (the baseline)"
+    if not args.uniform and not args.plan and not getattr(args, "replan", None):
+        return "--format gguf needs --plan (a profile.json), --replan DATA or --uniform TYPE (the baseline)"
     return None
 
 
