@@ -21,7 +21,6 @@ the shape ``gguf_llamacpp.py export --serve-plans`` reads; an existing file is k
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
