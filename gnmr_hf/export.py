@@ -204,7 +204,27 @@ def main(argv: list[str] | None = None) -> int:
     print(fmt.describe(summary))
     if args.fmt in SCORED_FORMATS:
         _score(args, model_path, summary, text)
+        hint = _replan_hint(args)
+        if hint:
+            print(hint)
     return 0
+
+
+def _replan_hint(args) -> str | None:
+    """A line when a plan profiled against a bitsandbytes low is exported for another quantiser (``--replan``)."""
+    if args.replan is not None or not isinstance(args.plan, str):
+        return None
+    from gnmr_hf.planning.plan import Plan, PlanError  # torch, loaded by the export already
+
+    try:
+        low = Plan.load(args.plan).low
+    except (PlanError, ValueError, OSError):
+        return None
+    if low not in ("nf4", "fp4", "int8"):
+        return None
+    return (f"note: the plan was profiled against {low.upper()} (the training's low path), not this export's "
+            f"{'INT4' if args.fmt == 'compressed-tensors' else 'GGUF types'}: --replan TRAIN_TEXT (instead of --plan) "
+            "plans the export anew on the merged model against its own quantiser")
 
 
 def _replan(args, model_path: str, fmt) -> str:

@@ -144,3 +144,19 @@ def test_replan_options_without_replan_and_an_existing_plan_file(llama, adapter,
                       "--output", tmp_path / "y.gguf", *SCORE)
     assert rc == 2 and len(err) == 1 and "exists (an earlier --replan's plan)" in err[0], err
     assert not (tmp_path / "y.gguf").exists()
+
+
+def test_an_nf4_plan_exported_for_another_quantiser_says_how_to_replan(llama, tmp_path, capsys):
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    rungs = {_linears(model)[0]: "int8"}
+    (tmp_path / "nf4.json").write_text(json.dumps({"low": "nf4", "rungs": rungs}))
+    rc, stdout, err = _run(capsys, "--model", llama, "--format", "gguf", "--plan", tmp_path / "nf4.json",
+                           "--output", tmp_path / "x.gguf")
+    assert rc == 0, err
+    assert "note: the plan was profiled against NF4 (the training's low path), not this export's GGUF types: " \
+           "--replan TRAIN_TEXT" in stdout
+    # a plan over the export's own GGUF type gets no such line
+    Plan(rungs, low="q4_0", rung_set=("int8", "bf16"), serve="gguf").save(tmp_path / "q4.json")
+    rc, stdout, err = _run(capsys, "--model", llama, "--format", "gguf", "--plan", tmp_path / "q4.json",
+                           "--output", tmp_path / "y.gguf")
+    assert rc == 0 and "wrote" in stdout and "note:" not in stdout, err

@@ -63,6 +63,7 @@ LOCAL_IMPORTS = {
     "gnmr_hf.export_score -> gnmr_hf.planning.int4": _EXPORT_HELP,
     "gnmr_hf.export_score -> gnmr_hf.planning.gguf_plan": _EXPORT_HELP,
     "gnmr_hf.export -> gnmr_hf.export_replan": _EXPORT_HELP,
+    "gnmr_hf.export -> gnmr_hf.planning.plan": _EXPORT_HELP,
     "gnmr_hf.export_gguf -> gnmr_hf.planning.groups": "torch (the planning package): keeps `python -m "
                                                       "gnmr_hf.export_gguf --help` torch-free",
     "gnmr_hf.export_gguf -> gnmr_hf.planning.plan": "torch (the planning package): keeps `python -m "
