@@ -83,6 +83,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 )
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 from gnmr_hf.offline.gguf_models import resolve_model
+from gnmr_hf.offline.text_data import read_text_source
 from gnmr_hf.serving import EXPORT_TARGETS
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
@@ -135,7 +136,8 @@ def _parser():
                    "card); without it nothing is scored")
     p.add_argument("--replan", default=None, metavar="FILE", help="compressed-tensors, gguf: plan the export anew "
                    "instead of --plan: the adapter merged, the merged model profiled against the export's own "
-                   "quantiser (INT4, or the --low-type GGUF type) on the start of this text (the run's own data), "
+                   "quantiser (INT4, or the --low-type GGUF type) on the start of this text (the run's own data: a "
+                   "text file or a folder of them), "
                    "within --budget, for --target's rungs and groups; the plan saved as OUTPUT.plan.json, and the "
                    "export scored on the text's last blocks unless --score-data names other text")
     p.add_argument("--budget", default=None, help="--replan: memory over the uniform low form (default +10%%int4 or "
@@ -191,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.fmt not in SCORED_FORMATS:
             return fail(f"--score-data: the export scores {', '.join(SCORED_FORMATS)} exports, not {args.fmt}")
         try:
-            text = open(args.score_data, encoding="utf-8").read()
-        except (OSError, UnicodeDecodeError) as e:
-            return fail(f"--score-data {args.score_data}: {e}")
+            text = read_text_source(args.score_data)
+        except (OSError, ValueError) as e:
+            return fail(f"--score-data: {e}")
     try:
         model_path = resolve_model(args.model)
         if args.replan is not None:
@@ -233,13 +235,10 @@ def _replan(args, model_path: str, fmt) -> str:
 
     from gnmr_hf.export_replan import replan  # torch: keeps `gnmr-hf export --help` light
 
-    if args.fmt not in ("compressed-tensors", "gguf"):
-        raise ExportError(f"--replan is for --format compressed-tensors and gguf (an export whose low type is not "
-                            f"the training's), not {args.fmt}")
     try:
-        text = open(args.replan, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ExportError(f"--replan {args.replan}: {e}") from None
+        text = read_text_source(args.replan)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--replan: {e}") from None
     keep = args.score_block * args.score_blocks if args.score_data == args.replan else 0
     _, saved = replan(model_path, args.adapter, args.fmt, text, args.output, budget=args.budget,
                       low_type=args.low_type, group_size=args.group_size, target=args.target,

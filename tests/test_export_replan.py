@@ -160,3 +160,25 @@ def test_an_nf4_plan_exported_for_another_quantiser_says_how_to_replan(llama, tm
     rc, stdout, err = _run(capsys, "--model", llama, "--format", "gguf", "--plan", tmp_path / "q4.json",
                            "--output", tmp_path / "y.gguf")
     assert rc == 0 and "wrote" in stdout and "note:" not in stdout, err
+
+
+def test_replan_takes_a_folder_of_text_and_refuses_a_json_dataset(llama, adapter, text, tmp_path, capsys):
+    from gnmr_hf.offline.text_data import read_text_source
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    body = text.read_text()
+    half = len(body) // 2
+    (docs / "a.txt").write_text(body[:half])
+    (docs / "sub" / "b.md").write_text(body[half:])
+    (docs / ".hidden.txt").write_text("never read")
+    assert read_text_source(docs) == body[:half] + "\n\n" + body[half:]  # sorted by path, hidden skipped
+    rc, stdout, err = _run(capsys, "--model", llama, "--adapter", adapter, "--format", "gguf", "--replan", docs,
+                           "--output", tmp_path / "f.gguf", *SCORE)
+    assert rc == 0, err
+    assert Plan.load(tmp_path / "f.gguf.plan.json").chosen_by["data"] == "docs" and "from the end of docs" in stdout
+    (tmp_path / "train.jsonl").write_text('{"text": "x"}\n')
+    rc, _, err = _run(capsys, "--model", llama, "--adapter", adapter, "--format", "gguf", "--replan",
+                      tmp_path / "train.jsonl", "--output", tmp_path / "g.gguf")
+    assert rc == 2 and len(err) == 1 and "a JSON dataset, not plain text" in err[0], err
+    assert not (tmp_path / "g.gguf").exists() and not (tmp_path / "g.gguf.plan.json").exists()

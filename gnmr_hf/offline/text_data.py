@@ -126,6 +126,20 @@ def read_text_file(path: str | os.PathLike) -> str:
                          "convert it (e.g. iconv -f latin1 -t utf-8) or remove it") from None
 
 
+def read_text_source(source: str | os.PathLike) -> str:
+    """The text of ``source``: one text file, or every text file of a folder (:func:`text_files`, sorted by path)
+    joined by blank lines. ``ValueError`` in one line for a JSON dataset (not plain text), a folder without text
+    files, or a file that is not UTF-8; ``OSError`` for a path that cannot be read."""
+    path = Path(source)
+    if path.suffix.lower() in (".json", ".jsonl"):
+        raise ValueError(f"{source}: a JSON dataset, not plain text: give the text the run trained on (a .txt / .md "
+                         "/ .rst file, or a folder of them)")
+    files = text_files(path) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"{source}: no text file (.txt, .rst, .md) in this folder")
+    return "\n\n".join(read_text_file(f) for f in files)
+
+
 def split_by_file(files: list[Path], heldout_every: int = 20) -> tuple[list[Path], list[Path]]:
     """(train, held-out): every ``heldout_every``-th file (1-based) is held out; 0 holds none out."""
     if heldout_every < 0 or heldout_every == 1:
