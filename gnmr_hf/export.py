@@ -84,7 +84,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 from gnmr_hf.offline.gguf_models import resolve_model
 from gnmr_hf.offline.text_data import read_text_source
-from gnmr_hf.serving import EXPORT_TARGETS
+from gnmr_hf.serving import EXPORT_TARGETS, serve_target
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
 FORMATS = ("bitsandbytes", "compressed-tensors", "gguf")
@@ -108,8 +108,10 @@ def _parser():
                    "with --format gguf --uniform TYPE")
     p.add_argument("--output", required=True, help="the folder to write (refused if it exists and is not empty, or is "
                    "the model, adapter or profile folder, holds one, or is the current folder or a parent of it)")
-    p.add_argument("--format", default="bitsandbytes", choices=format_names(), dest="fmt",
-                   help="; ".join(f"{n}: {get_format(n).help}" for n in format_names() if get_format(n).help))
+    p.add_argument("--format", default=None, choices=format_names(), dest="fmt",
+                   help="default: the format of the server the plan was made for (gnmr-hf profile --serve, a "
+                   "recipe's profile.serve; another that server does not load is refused), else bitsandbytes. " +
+                   "; ".join(f"{n}: {get_format(n).help}" for n in format_names() if get_format(n).help))
     p.add_argument("--quant", default=None, choices=QUANTS, help="bitsandbytes: the low precision (default nf4)")
     p.add_argument("--group-size", type=int, default=None,
                    help="compressed-tensors: the INT4 group size (default: an int4 profile's own, else 128, vLLM's "
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gnmr-hf export: error: {msg}", file=sys.stderr)
         return 2
 
+    wrong = _format_for_plan(args)
+    if wrong:
+        return fail(wrong)
     fmt = get_format(args.fmt)
     if args.replan is None and (args.budget is not None or args.replan_batches != 2):
         return fail(f"--{'budget' if args.budget is not None else 'replan-batches'} goes with --replan (the export "
@@ -212,16 +217,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _format_for_plan(args) -> str | None:
+    """``--format``: the one the plan's serving target loads when not given (else bitsandbytes); the line that
+    refuses a format that target does not load (``--merge``, BF16 every server loads, is never refused)."""
+    plan = _plan_of(args.plan) if isinstance(args.plan, str) and args.plan and args.replan is None else None
+    if plan is None or plan.serve is None or args.merge:
+        args.fmt = args.fmt or "bitsandbytes"
+        return None
+    target = serve_target(plan.serve)
+    if args.fmt is None:
+        args.fmt = target.export_format
+        return None
+    if args.fmt in target.formats:
+        return None
+    low = f"W4A16 (group {plan.group_size})" if plan.low == "int4" else plan.low.upper()
+    over = plan.chosen_by.get("low_model_bytes")
+    price = "" if plan.price_bytes is None else (
+        f" (it adds {plan.price_bytes / 2**20:.2f} MiB" + (f", +{100 * plan.price_bytes / over:.1f} %," if over else "")
+        + f" over the all-{low} model)")
+    return (f"{plan.source} was made for {target.name}, which loads --format {' or '.join(target.formats)}, not "
+            f"{args.fmt}: export it with --format {target.export_format}{price}, or --merge (BF16, every server), "
+            f"or plan for the other server (gnmr-hf profile --serve, or gnmr-hf export --replan DATA)")
+
+
+def _plan_of(path: str):
+    """The plan at ``path`` (:meth:`gnmr_hf.planning.Plan.load`), or None where it does not read (the format's own
+    reading then says why)."""
+    from gnmr_hf.planning.plan import Plan, PlanError
+
+    try:
+        return Plan.load(path)
+    except (PlanError, ValueError, OSError):
+        return None
+
+
 def _replan_hint(args) -> str | None:
     """A line when a plan profiled against a bitsandbytes low is exported for another quantiser (``--replan``)."""
     if args.replan is not None or not isinstance(args.plan, str):
         return None
-    from gnmr_hf.planning.plan import Plan, PlanError  # torch, loaded by the export already
-
-    try:
-        low = Plan.load(args.plan).low
-    except (PlanError, ValueError, OSError):
-        return None
+    plan = _plan_of(args.plan)
+    low = plan.low if plan is not None else None
     if low not in ("nf4", "fp4", "int8"):
         return None
     return (f"note: the plan was profiled against {low.upper()} (the training's low path), not this export's "

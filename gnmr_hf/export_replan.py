@@ -97,16 +97,14 @@ def replan(model_path: str | os.PathLike, adapter: str | os.PathLike | None, fmt
           f"tokens from the start of {source}, budget {budget}, for {serve} ...", flush=True)
     try:
         plan = make_plan(model, batches_, budget, rungs, spec.groups, low=low, group_size=gs, model_path=model_path,
-                         budget_text=budget)
+                         budget_text=budget, serve=serve)
     except PlanError as e:
         raise ExportError(f"--replan: {e}") from None
     finally:
         del model
-    plan.serve = serve
     plan.chosen_by.update(writer="gnmr-hf export --replan", adapter=str(adapter) if adapter else None, data=source,
                           currency=("compressed-tensors folder bytes over uniform W4A16" if low == "int4" else
                                     f"GGUF tensor bytes over the uniform {GGUF_LOWS[low]} file"))
-    plan = Plan(**{**plan.__dict__, "source": None, "data": {}})  # checked again with its target
     saved = plan.save(path)
     os.chmod(saved, 0o644)
     n8, n16 = len(plan.on("int8")), len(plan.on("bf16"))

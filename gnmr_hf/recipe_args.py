@@ -18,6 +18,7 @@ from gnmr_hf.hardware import auto_compute_dtype
 from gnmr_hf.memory import parse_memory_budget
 from gnmr_hf.planning import CRITERIA, parse_budget, planned_rungs
 from gnmr_hf.planning.planner import GROUPINGS
+from gnmr_hf.serving import ServeError, serve_target
 
 GENERATED = "generated-arithmetic"
 TEXT = "text:"  # dataset: text:PATH, plain text (a file, a folder or a glob): gnmr_hf.offline.text_data
@@ -233,6 +234,12 @@ class ProfileArguments:
             read from the model's architecture, ``gnmr_hf.planning.groups``; an unknown one refused in one
             line), for the BF16-only plan and the ladder (one rung per group), so the plan can be served by
             vLLM (docs/profile.md, "Grouped plans").
+        serve (`str | None`): the server the run will be exported for (``gnmr_hf.serving.TARGETS``: ``vllm-gpu``,
+            ``vllm-cpu``, ``transformers``, ``gguf``, ``bitsandbytes``; docs/serving.md): the plan buys only the
+            rungs it serves (``rungs`` narrowed to them: a ladder recipe for vllm-cpu or bitsandbytes plans BF16
+            only; a rung it does not serve set on the command line is refused) and keeps the groups it fuses
+            (``groups: vllm`` for the vLLM targets; ``groups: null`` refused); the plan records it, and
+            ``gnmr-hf export --plan`` writes the target's format for it and refuses another. Policy static only.
         plan (`str | None`): a plan to train with as saved (``--profile.plan PATH``: a ``profile.json`` or the
             folder holding one, from ``gnmr-hf profile`` or an earlier planned run; ``gnmr_hf.planning.Plan``):
             nothing is profiled; a plan of another model, low format, group size, rung set or grouping is
@@ -248,6 +255,7 @@ class ProfileArguments:
     gnmr_share: float = 0.25
     rungs: tuple[str, ...] = ("bf16",)
     groups: str | None = None
+    serve: str | None = None
     plan: str | None = None
     given: dict[str, str] = field(default_factory=dict)
 
@@ -259,7 +267,7 @@ class ProfileArguments:
     @classmethod
     def from_dict(cls, block: dict[str, Any], given: dict[str, str] | None = None) -> ProfileArguments:
         """Parse and check the block (one-line ``RecipeError`` naming the key)."""
-        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups", "plan"]
+        known = ["budget", "criterion", "batches", "policy", "gnmr_share", "rungs", "groups", "serve", "plan"]
         unknown = sorted(set(block) - set(known))
         if unknown:
             raise _unknown([f"profile.{k}" for k in unknown], [f"profile.{k}" for k in known], "in the profile block")
@@ -300,6 +308,8 @@ class ProfileArguments:
                 raise RecipeError(f"profile.groups must be {' or '.join(GROUPINGS)} (whole serving groups: q/k/v of a "
                                   f"layer together, gate/up together) or null (a free plan), got {block['groups']!r}")
             out.groups = block["groups"]
+        if block.get("serve") is not None:
+            _apply_serve(out, block)
         if block.get("plan") is not None:
             if not isinstance(block["plan"], (str, os.PathLike)) or not str(block["plan"]).strip():
                 raise RecipeError(f"profile.plan must be a path (a profile.json or its folder), got {block['plan']!r}")
@@ -323,6 +333,32 @@ class ProfileArguments:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "given"}
+
+
+def _apply_serve(out: ProfileArguments, block: dict[str, Any]) -> None:
+    """``profile.serve``: the recipe's rungs narrowed to those the target serves (a ladder recipe for vLLM's CPU
+    build plans BF16 groups) and the target's groups, or one ``RecipeError`` line for a target not known, a rung it
+    cannot load asked for on the command line (or no rung left), a free plan it cannot load, or a policy that is
+    not static."""
+    try:
+        target = serve_target(str(block["serve"]))
+    except ServeError as e:
+        raise RecipeError(f"profile.serve: {e}") from None
+    if out.policy != "static":
+        raise RecipeError(f"profile.serve {target.name} plans the set that server loads, fixed for the run: it needs "
+                          f"profile.policy static, got {out.policy}")
+    bad = [r for r in out.rungs if r not in target.rungs]
+    if bad and (out.given.get("rungs") == "on the command line" or len(bad) == len(out.rungs)):
+        raise RecipeError(f"profile.rungs [{', '.join(out.rungs)}]: {target.name} does not serve "
+                          f"{', '.join(bad)} (its rungs: {', '.join(target.rungs)}; {target.evidence})")
+    out.rungs = tuple(r for r in out.rungs if r in target.rungs)  # a recipe file's ladder narrowed to the server's
+    if target.groups:
+        if "groups" in block and block["groups"] != target.groups:
+            raise RecipeError(f"profile.groups null: {target.name} fuses q/k/v and gate/up, each group on one rung, so "
+                              "a free plan splits groups it cannot load (profile.serve keeps whole groups; drop "
+                              "profile.groups)")
+        out.groups = target.groups
+    out.serve = target.name
 
 
 def _parse_rungs(value: Any) -> tuple[str, ...]:

@@ -150,7 +150,7 @@ def _make(recipe: Recipe, model, batches, model_path: str, prices, rungs, gains=
                          model_path=model_path, double_quant=script.bnb_4bit_use_double_quant, share=share,
                          prices=prices, gains=gains, dtype=getattr(torch, script.compute_dtype),
                          budget_text=prof.budget if share == 1.0 else
-                         f"{prof.budget} x (1 - profile.gnmr_share {prof.gnmr_share:g})")
+                         f"{prof.budget} x (1 - profile.gnmr_share {prof.gnmr_share:g})", serve=prof.serve)
     except PlanError as e:
         raise RecipeError(f"profile.{e}") from None
 
@@ -194,7 +194,7 @@ def bf16_policy(recipe: Recipe, model, batches, model_path: str) -> tuple[Any, d
         extra = {"gnmr_budget_bytes": rest, "gnmr_max_active_bytes": cap}
     view = precision_plan(plan, profile, model, batches)
     record = {**view.to_dict(), "plan_budget_bytes": plan.budget_bytes, "criterion": gains.criterion,
-              "policy": prof.policy, "low": _low(recipe),
+              "policy": prof.policy, "low": _low(recipe), "serve": prof.serve,
               **_currency_record(prof.budget, budget, prices.low_model_bytes, price, held), **extra,
               "stored_bytes_per_bf16_byte": stored_bytes_per_bf16_byte(model),
               "profile_seconds": round(sum(c.get("seconds", 0.0) for c in profile.costs.values()), 2)}
@@ -281,7 +281,7 @@ def _rung_policy(recipe: Recipe, model, model_path: str, plan: Plan) -> tuple[An
               "skip_modules": sorted(n for n, r in chosen.items() if r == "bf16"),
               **_currency_record(plan.budget, plan.budget_bytes, nf4, plan.price_bytes, policy.set_bytes),
               "policy": "static", "stored_bytes_per_bf16_byte": torch.finfo(getattr(torch, script.compute_dtype)).bits / 16,
-              "groups": plan.groups, "low": "nf4"}
+              "groups": plan.groups, "low": "nf4", "serve": plan.serve}
     return policy, record
 
 
@@ -314,6 +314,10 @@ def check_saved_plan(recipe: Recipe, model_path: str) -> Plan:
                else "a run of this recipe without profile.plan" if prof.groups
                else f"profile.groups {plan.groups} trains it as planned")
         raise RecipeError(f"{where} was planned {made}, not with profile.groups {prof.groups or 'null'}: {fix}")
+    if prof.serve and plan.serve and plan.serve != prof.serve:
+        raise RecipeError(f"{where} was made for serve {plan.serve}, not profile.serve {prof.serve}: "
+                          "a run without profile.plan plans for it, or drop profile.serve to train the plan "
+                          f"for {plan.serve}")
     try:
         _check_same_model(plan.source, plan.data, model_path,
                           fix=f"profile the model this run trains: {profile_cmd} --output DIR")
@@ -352,8 +356,8 @@ def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict
         raise RecipeError(f"profile.plan {plan.source} plans {len(missing)} linear(s) this model's dual path does not "
                           f"hold, e.g. {missing[0]}")
     price = sum(prices.prices[n][r] for n, r in chosen.items())
-    served = dataclasses.replace(plan, price_bytes=price, chosen_by={**plan.chosen_by,
-                                                                      "low_model_bytes": prices.low_model_bytes})
+    served = dataclasses.replace(plan, price_bytes=price, serve=prof.serve or plan.serve,
+                                 chosen_by={**plan.chosen_by, "low_model_bytes": prices.low_model_bytes})
     if prof.ladder:
         policy, record = _rung_policy(recipe, model, model_path, served)
     else:
@@ -367,7 +371,7 @@ def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict
                   **_currency_record(plan.budget, plan.budget_bytes, prices.low_model_bytes, price, policy.set_bytes),
                   "stored_bytes_per_bf16_byte": stored_bytes_per_bf16_byte(model), "low": plan.low}
         record["names"] = [units[i].name for i in indices]
-    record.update({"criterion": plan.chosen_by.get("criterion"), "profile_seconds": 0.0,
+    record.update({"criterion": plan.chosen_by.get("criterion"), "profile_seconds": 0.0, "serve": served.serve,
                    "plan_file": str(plan.source), "planned_by": plan.chosen_by.get("writer"), "low": plan.low})
 
     def write(out: Path) -> None:

@@ -30,6 +30,7 @@ class ServeTarget:
         rungs: the rungs above the low it serves (the planner may buy only these).
         groups: ``"vllm"`` when fused linears (q/k/v, gate/up) must share a rung, None when each linear is free.
         export_format: the ``gnmr-hf export --format`` that writes a folder or file for it.
+        also_formats: other export formats it loads (transformers: a bitsandbytes folder too).
         evidence: where the capability was measured (a bench) or read (the server's source file).
     """
 
@@ -39,6 +40,12 @@ class ServeTarget:
     groups: str | None
     export_format: str
     evidence: str
+    also_formats: tuple[str, ...] = ()
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """Every ``gnmr-hf export --format`` whose output it loads, the one written for it first."""
+        return (self.export_format, *self.also_formats)
 
 
 TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
@@ -51,7 +58,7 @@ TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
                 "vllm/model_executor/kernels/linear/mixed_precision/cpu.py:17 takes uint4 and uint4b8 only"),
     ServeTarget("transformers", ("int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None, "compressed-tensors",
                 "run here: tests/test_export_ct.py, tests/test_export.py, bench/value/serve_bench.py (stock "
-                "from_pretrained of the folder, no arguments)"),
+                "from_pretrained of the folder, no arguments)", ("bitsandbytes",)),
     ServeTarget("gguf", ("q4_0", "q4_1", "q5_0", "q5_1", "int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None,
                 "gguf",
                 "run here: bench/serve/gguf_llamacpp.py (llama.cpp through llama-cpp-python 0.3.36, and "
@@ -62,6 +69,9 @@ TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
                 "a bitsandbytes folder (Unknown quantization method: bitsandbytes), and its "
                 "vllm/model_executor/layers/quantization/__init__.py QuantizationMethods lists none for any device"),
 )}
+#: the bitsandbytes low formats a recipe trains over: a training plan (a recipe's ``profile.serve``) may name a
+#: server of another low, whose export plans its low anew (``gnmr-hf export --replan``) or re-types it
+TRAINING_LOWS = ("nf4", "fp4", "int8")
 #: the export's older name for the CUDA target
 ALIASES = {"vllm": "vllm-gpu"}
 #: ``gnmr-hf export --target``: whose module names and kernels a folder is written for
@@ -85,10 +95,13 @@ def unserved(rungs: Mapping[str, str], target: ServeTarget) -> dict[str, int]:
     return out
 
 
-def check_plan(rungs: Mapping[str, str], low: str, target: ServeTarget, where: str = "the plan") -> None:
+def check_plan(rungs: Mapping[str, str], low: str, target: ServeTarget, where: str = "the plan",
+               training: bool = False) -> None:
     """Refuse, in one line, a plan ``target`` cannot load: a low format or a rung it does not serve (the
-    grouping is the exporters' check: they know the model's serving groups)."""
-    if low not in target.lows:
+    grouping is the exporters' check: they know the model's serving groups). ``training``: a plan a recipe trains
+    over a bitsandbytes low (:data:`TRAINING_LOWS`) made for ``target`` (``profile.serve``): its low is the
+    training's, which the export plans anew for the target, so only its rungs are checked."""
+    if low not in target.lows and not (training and low in TRAINING_LOWS):
         raise ServeError(f"{where} is over {low}, which {target.name} does not serve (it serves "
                          f"{', '.join(target.lows)} low formats)")
     bad = unserved(rungs, target)

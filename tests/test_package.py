@@ -270,7 +270,7 @@ LAYERS = {
     # the recipe format and its data (recipes/finetune.py and gnmr-hf profile read it): criteria names and budget
     # currencies from the planner's criteria/budget modules, which import nothing of it back
     "recipe": {"recipe", "recipe_args", "core", "planning", "memory", "offline", "hardware"},
-    "recipe_args": {"core", "planning", "memory", "hardware"},  # a recipe's dataclasses, RecipeError
+    "recipe_args": {"core", "planning", "memory", "hardware", "serving"},  # a recipe's dataclasses, RecipeError
     "recipe_model": {"recipe", "backends", "offline", "_import_utils", "loftq", "calibrated_init"},  # a recipe's model
     "recipe_plan": {"recipe", "recipe_model", "backends", "core", "planning"},  # a recipe's plan (make_plan)
     "profile": {"planning", "reporting"},  # the former module: re-exports gnmr_hf.planning

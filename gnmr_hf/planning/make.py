@@ -237,7 +237,7 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
               criterion: str | None = None, *, low: str = "nf4", model_path: str | os.PathLike | None = None,
               double_quant: bool = False, group_size: int | None = None, share: float = 1.0,
               prices: PlanPrices | None = None, gains: PlanGains | None = None, progress: bool = False,
-              budget_text: str | None = None, dtype=None, layout=None) -> Plan:
+              budget_text: str | None = None, dtype=None, layout=None, serve: str | None = None) -> Plan:
     """Choose a plan: which of the model's planned linears go on which of ``rungs``, within ``budget``.
 
     Args:
@@ -261,6 +261,8 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
         layout: ``groups``' serving groups when already read (:func:`layout_of`; a bench that no longer holds the
             model).
         budget_text: how the budget is shown in refusals and recorded (default ``str(budget)``).
+        serve: the serving target the plan is for (:data:`gnmr_hf.serving.TARGETS`), recorded on it; the plan is
+            checked against it (its rungs and groups; :class:`~gnmr_hf.planning.plan.Plan`).
 
     Returns:
         A :class:`~gnmr_hf.planning.plan.Plan`: ``rungs`` the chosen linears, ``budget_bytes`` and ``price_bytes``
@@ -296,7 +298,8 @@ def make_plan(model, batches, budget: str | int, rungs: Sequence[str] = ("bf16",
     return Plan(rungs=chosen, low=prices.low, group_size=prices.group_size, groups=groups, rung_set=rungs,
                 budget=budget_text or str(budget), budget_bytes=spend, price_bytes=price,
                 model_identity=model_identity(model_path) if model_path is not None else None,
-                chosen_by=chosen_by, keep_modules=list(gains.profile.keep_modules) if gains.profile is not None else [])
+                chosen_by=chosen_by, keep_modules=list(gains.profile.keep_modules) if gains.profile is not None else [],
+                serve=serve)
 
 
 def precision_plan(plan: Plan, profile: SensitivityProfile, model=None, batches=None) -> PrecisionPlan:

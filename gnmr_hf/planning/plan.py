@@ -125,8 +125,11 @@ class Plan:
         keep_modules: modules a stock load keeps unquantised anyway (``lm_head``); they head
             :meth:`skip_modules`.
         planned: False for a profile that holds no plan (no rungs chosen).
-        serve: the serving target it was made for (:data:`gnmr_hf.serving.TARGETS`: ``gnmr-hf profile --serve``),
-            None when none was named; a plan its target cannot load is refused (:class:`PlanError`).
+        serve: the serving target it was made for (:data:`gnmr_hf.serving.TARGETS`: ``gnmr-hf profile --serve``, a
+            recipe's ``profile.serve``), None when none was named; a plan with a rung or grouping its target cannot
+            load is refused (:class:`PlanError`). A plan a recipe trains over a bitsandbytes low may name a server
+            of another low (vLLM: INT4): the rungs and groups are the server's, and the export plans the low anew
+            (``gnmr-hf export --replan``) or re-types it.
         schema_version: :data:`SCHEMA_VERSION`.
         source: the file it was loaded from (not saved).
     """
@@ -172,7 +175,7 @@ class Plan:
         if self.serve is not None:
             try:
                 target = serve_target(self.serve)
-                check_plan(self.rungs, self.low, target, "it")
+                check_plan(self.rungs, self.low, target, "it", training=True)
             except ServeError as e:
                 raise PlanError(f"{where}made for serve {self.serve!r}: {e}") from None
             if target.groups and self.groups != target.groups:
