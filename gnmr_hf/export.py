@@ -84,6 +84,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 from gnmr_hf.offline.gguf_models import resolve_model
 from gnmr_hf.offline.text_data import read_text_source
+from gnmr_hf.rungs.int4 import int4_low
 from gnmr_hf.serving import EXPORT_TARGETS, serve_target
 
 #: the stock formats (``gnmr-hf export --format`` takes every registered one: :func:`gnmr_hf.exports.format_names`)
@@ -129,10 +130,13 @@ def _parser():
                    "(any plan, the ladder included)")
     p.add_argument("--force", action="store_true", help="replace an earlier export at --output (only a folder gnmr-hf "
                    "export wrote: it holds .gnmr_export.json; replaced by rename, the old one removed last)")
-    p.add_argument("--low-type", default=None, help="gguf: the GGUF type of the linears the plan leaves low "
-                   "(default Q4_0; Q4_1, Q5_0, Q5_1, Q8_0, BF16)")
+    p.add_argument("--low-type", default=None, help="the type of the linears the plan leaves low: gguf: a GGUF type "
+                   "(default Q4_0; Q4_1, Q5_0, Q5_1, Q8_0, BF16); compressed-tensors: W4A16 (default: symmetric INT4) "
+                   "or W4A16_ASYM (a zero point per group: vLLM serves it, stock transformers does not load it); a "
+                   "plan profiled against one of them (gnmr-hf profile --low int4 / int4-asym) brings its own")
     p.add_argument("--uniform", default=None, metavar="TYPE", help="every decoder linear at TYPE, no plan (the "
-                   "uniform baseline): a GGUF type with --format gguf, w4a16 with --format compressed-tensors")
+                   "uniform baseline): a GGUF type with --format gguf, W4A16 or W4A16_ASYM with --format "
+                   "compressed-tensors")
     p.add_argument("--score-data", default=None, metavar="FILE", help="compressed-tensors, gguf: held-out text to "
                    "score the export on against the merged BF16 model and the uniform low form (printed, and on the "
                    "card); without it nothing is scored")
@@ -176,15 +180,21 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"--replan is for --format compressed-tensors and gguf (an export whose low type is not the "
                         f"training's), not {args.fmt}")
         args.score_data = args.score_data or args.replan
-    if args.fmt == "compressed-tensors" and args.uniform is not None:
-        if args.uniform.lower() != "w4a16":
-            return fail(f"--uniform {args.uniform}: --format compressed-tensors writes the uniform baseline as w4a16 "
-                        "(GGUF types: --format gguf)")
-        if args.plan:
-            return fail("give --plan or --uniform w4a16, not both")
-        args.plan = {}  # no planned linear: every decoder linear W4A16
+    args.ct_low = None
+    if args.fmt == "compressed-tensors" and (args.uniform is not None or args.low_type is not None):
+        if args.uniform is not None and args.low_type is not None:
+            return fail("give --uniform W4A16_ASYM or --low-type W4A16_ASYM, not both")
+        try:
+            args.ct_low = int4_low(args.uniform or args.low_type)
+        except ValueError as e:
+            return fail(f"--{'uniform' if args.uniform else 'low-type'} {e} (GGUF types: --format gguf)")
+        if args.uniform is not None:
+            if args.plan:
+                return fail(f"give --plan or --uniform {args.uniform}, not both")
+            args.plan = {}  # no planned linear: every decoder linear on the low scheme
     elif args.fmt != "gguf" and (args.low_type or args.uniform):
-        return fail(f"--{'low-type' if args.low_type else 'uniform'} is --format gguf's (GGUF types)")
+        return fail(f"--{'low-type' if args.low_type else 'uniform'} is --format gguf's (GGUF types) and "
+                    "compressed-tensors' (W4A16, W4A16_ASYM)")
     if args.fmt != "gguf" and not args.plan and args.plan != {} and args.replan is None:
         return fail("--plan is required (a profile.json, or the folder holding it), or --replan DATA")
     bad = fmt.check(args)
@@ -295,7 +305,8 @@ def _score(args, model_path: str, summary: dict, text: str | None) -> None:
         r = score_export(model_path, summary["file"] if gguf else summary["folder"], args.fmt, args.adapter, text,
                          block=args.score_block, blocks=args.score_blocks, group_size=summary.get("group_size") or 128,
                          low_type=summary["rung_types"]["low"] if gguf else "Q4_0", source=os.path.basename(args.score_data),
-                         planned=len(summary["linears_by_type"]) > 1 if gguf else bool(summary.get("rungs")))
+                         planned=len(summary["linears_by_type"]) > 1 if gguf else bool(summary.get("rungs")),
+                         ct_low=summary.get("low", "int4"))
     except ScoreError as e:
         print(str(e))
         return

@@ -73,7 +73,8 @@ from gnmr_hf.planning.int4 import (  # noqa: F401  (re-exported: the export's qu
     weight_fake_quant,
 )
 from gnmr_hf.planning.plan import Plan, PlanError
-from gnmr_hf.rungs import planned_rungs
+from gnmr_hf.rungs import get_rung, planned_rungs
+from gnmr_hf.rungs.int4 import INT4_LOWS
 from gnmr_hf.serving import EXPORT_TARGETS, serve_target
 
 #: the schemes by rung (the low rung is every decoder linear the plan does not name)
@@ -129,7 +130,8 @@ def _read_plan(plan: str | os.PathLike | Mapping[str, str]) -> tuple[dict[str, s
     return dict(loaded.rungs), loaded
 
 
-def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], group_size: int, target: str):
+def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], group_size: int, target: str,
+                low_format: str = "int4"):
     """Everything about the plan against the model, from its config alone (a meta model): the linears' names and
     shapes, the decoder linears, the serving groups; one-line :class:`ExportError` on a mismatch."""
     import torch
@@ -172,9 +174,14 @@ def _check_plan(model_path: Path, rungs: dict[str, str], data: dict[str, Any], g
                               "(gnmr_hf.planning.groups), or export with target='transformers' for a transformers-only "
                               "folder")
     shapes, other = ct_shapes(meta, linears)
+    if low_format not in serve_target(target).lows:
+        scheme = get_rung(low_format).exports["compressed-tensors"]
+        raise ExportError(f"target {target}: stock transformers does not load a {scheme} folder (transformers 5.25.0 "
+                          "mis-sizes its packed zero points, tests/test_int4_settings.py); vLLM serves it: export for "
+                          "vllm-cpu or vllm-gpu, or plan over symmetric INT4 (low int4) for transformers")
     if target == "vllm-cpu" and "int8" in rungs.values():
         as_bf16 = {n: "bf16" if r == "int8" else r for n, r in rungs.items()}
-        w4, mine, cpu = (ct_tensor_bytes(shapes, r, other, group_size) for r in ({}, rungs, as_bf16))
+        w4, mine, cpu = (ct_tensor_bytes(shapes, r, other, group_size, low_format) for r in ({}, rungs, as_bf16))
         n = sum(r == "int8" for r in rungs.values())
         raise ExportError(f"vllm-cpu: vLLM's CPU build has no W8A16 kernel ({serve_target('vllm-cpu').evidence}), "
                           f"and the plan puts {n} linear(s) on INT8: it loads on vllm-gpu (+{100 * (mine / w4 - 1):.1f} "
@@ -199,7 +206,7 @@ def _safetensors_bytes(folder: Path) -> int:
 def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.PathLike | Mapping[str, str],
                               out_dir: str | os.PathLike, adapter: str | os.PathLike | None = None,
                               group_size: int | None = None, force: bool = False, target: str | None = None,
-                              measured: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                              measured: Mapping[str, Any] | None = None, low: str | None = None) -> dict[str, Any]:
     """Write ``model_path`` (with ``adapter`` merged) as a compressed-tensors folder at the plan's rungs.
 
     Args:
@@ -216,6 +223,10 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
             names one of these, else ``"vllm"``. ``"vllm"`` / ``"vllm-gpu"`` (refuses a plan that splits a fused group), ``"vllm-cpu"`` (also
             refuses INT8 rungs: vLLM's CPU build has no W8A16 kernel) or ``"transformers"`` (allows both).
         measured: figures for the model card (e.g. ``{"held-out loss": 2.31}``), measured by the caller.
+        low: the INT4 scheme of the unplanned linears: ``"int4"`` (W4A16, symmetric) or ``"int4-asym"``
+            (W4A16_ASYM, a zero point per group: vLLM serves it, stock transformers does not load it). None (the
+            default): the plan's own low where it was profiled against one of these (another is refused), else
+            ``"int4"``.
 
     Returns:
         A summary: the folder, the scheme counts, the tensor bytes of this folder, of the uniform W4A16 model
@@ -237,6 +248,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     if target is None:
         target = loaded.serve if loaded is not None and loaded.serve in TARGETS else "vllm"
     group_size, profiled = _profiled_against(loaded, group_size)
+    low = _low_format(loaded, low)
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     protect = [("model folder", model_path, True)]
@@ -245,16 +257,17 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
     if plan_path is not None:
         protect.append(("profile's folder", plan_path.parent, False))
     out = check_output(out_dir, force, protect)
-    rungs, linears, shapes, other, groups = _check_plan(model_path, rungs, data, group_size, target)
+    rungs, linears, shapes, other, groups = _check_plan(model_path, rungs, data, group_size, target, low)
     # the plan's recorded model identity and the adapter's shapes, as load_planned / gnmr-hf eval check them
     check_sources(model_path, plan_path, data, adapter)
 
     counts = {SCHEMES[r]: sum(1 for n in linears if rungs.get(n, "low") == r) for r in SCHEMES}
     summary = {"folder": str(out), "format": "compressed-tensors", "target": target, "group_size": group_size,
+               "low": low, "low_scheme": get_rung(low).exports["compressed-tensors"],
                "schemes": counts, "rungs": {n: rungs[n] for n in linears if n in rungs},
                "model": model_name(model_path), "adapter": str(adapter) if adapter is not None else None,
-               "tensor_bytes": ct_tensor_bytes(shapes, rungs, other, group_size),
-               "w4a16_tensor_bytes": ct_tensor_bytes(shapes, {}, other, group_size),
+               "tensor_bytes": ct_tensor_bytes(shapes, rungs, other, group_size, low),
+               "w4a16_tensor_bytes": ct_tensor_bytes(shapes, {}, other, group_size, low),
                "bf16_tensor_bytes": ct_tensor_bytes(shapes, dict.fromkeys(shapes, "bf16"), other, group_size),
                "measured": dict(measured or {}), "plan": data.get("plan"), "profiled_against": profiled}
     # names, not this machine's folders: the marker travels with the folder
@@ -263,7 +276,7 @@ def export_compressed_tensors(model_path: str | os.PathLike, plan: str | os.Path
               "adapter": folder_name(adapter) if adapter is not None else None}
     with staged_output(out, marker) as tmp:
         model = _merged_bf16(model_path, adapter)
-        _write(model, rungs, linears, group_size, tmp)
+        _write(model, rungs, linears, group_size, tmp, low)
         del model
         for f in _TOKENIZER_FILES:
             if (model_path / f).is_file() and not (tmp / f).exists():
@@ -308,6 +321,18 @@ def _profiled_against(plan: Plan | None, group_size: int | None) -> tuple[int, s
                       "the gains it ranked are this folder's")
 
 
+def _low_format(plan: Plan | None, low: str | None) -> str:
+    """The INT4 low the export writes: ``low``, else the plan's own INT4 low (another ``low`` than the one it was
+    profiled against is refused), else ``"int4"``."""
+    own = plan.low if plan is not None and plan.is_int4 else None
+    if low is not None and low not in INT4_LOWS:
+        raise ExportError(f"low {low!r}: the compressed-tensors export writes {' or '.join(INT4_LOWS)}")
+    if own and low and low != own:
+        raise ExportError(f"{plan.source} was profiled against {own} ({get_rung(own).exports['compressed-tensors']}): "
+                          f"export it at that low, or profile again with --low {low}")
+    return low or own or "int4"
+
+
 def _merged_bf16(model_path: Path, adapter):
     import torch
     from transformers import AutoModelForCausalLM
@@ -320,7 +345,8 @@ def _merged_bf16(model_path: Path, adapter):
     return model.eval()
 
 
-def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int, folder: Path) -> None:
+def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int, folder: Path,
+           low: str = "int4") -> None:
     """The library's own steps: schemes attached, scales computed from the weights, codes packed, saved."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
@@ -331,7 +357,7 @@ def _write(model, rungs: Mapping[str, str], linears: list[str], group_size: int,
     # the plan's own compressed-tensors config (gnmr_hf.planning.Plan.ct_config)
     # (a BF16 plan's skip list may name modules that are no decoder linear, lm_head: unquantised anyway)
     planned = {n: r for n, r in rungs.items() if n in set(linears)}
-    config = Plan(rungs=planned, low="int4", group_size=group_size,
+    config = Plan(rungs=planned, low=low, group_size=group_size,
                   rung_set=tuple(sorted(set(planned.values()))) or ("bf16",)).ct_config(linears)
     groups = bool(config)
     if groups:
@@ -369,17 +395,18 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike) -> str:
              + (f", the LoRA adapter `{folder_name(summary['adapter'])}` merged into the original BF16 weights first." if
                 summary["adapter"] else ", no adapter (the base model quantised for serving)."), "",
              "| scheme | decoder linears |", "|---|---|",
-             f"| W4A16: INT4 weight-only, group {summary['group_size']}, symmetric | {c['W4A16']} |",
+             f"| {summary['low_scheme']}: INT4 weight-only, group {summary['group_size']}, "
+             f"{'symmetric' if summary['low'] == 'int4' else 'asymmetric (a zero point per group)'} | {c['W4A16']} |",
              f"| W8A16: INT8 weight-only, per channel, symmetric | {c['W8A16']} |",
              f"| BF16 (unquantised, in `ignore`) | {c['BF16']} |", "",
              "`lm_head`, the embeddings and the norms stay unquantised. Linears above the INT4 rung:", ""]
     lines += [f"- `{n}`: {SCHEMES[r]}" for n, r in summary["rungs"].items()] or ["- none"]
     lines += ["", "| | tensor bytes |", "|---|---|",
               f"| this folder | {summary['tensor_bytes'] / mib:.2f} MiB |",
-              f"| every decoder linear W4A16 | {summary['w4a16_tensor_bytes'] / mib:.2f} MiB |",
+              f"| every decoder linear {summary['low_scheme']} | {summary['w4a16_tensor_bytes'] / mib:.2f} MiB |",
               f"| BF16 | {summary['bf16_tensor_bytes'] / mib:.2f} MiB |", ""]
     over = summary["tensor_bytes"] / summary["w4a16_tensor_bytes"] - 1
-    lines += [f"Over uniform W4A16: **{100 * over:+.1f} %** of the tensor bytes.", ""]
+    lines += [f"Over uniform {summary['low_scheme']}: **{100 * over:+.1f} %** of the tensor bytes.", ""]
     if summary.get("profiled_against"):
         lines += [f"The plan was profiled against: {summary['profiled_against']}.", ""]
     if summary["measured"]:

@@ -23,6 +23,8 @@ from gnmr_hf.export_folder import ExportError
 from gnmr_hf.export_score import merged_bf16
 from gnmr_hf.planning.make import make_plan
 from gnmr_hf.planning.plan import GGUF_LOWS, Plan, PlanError
+from gnmr_hf.rungs import get_rung
+from gnmr_hf.rungs.int4 import INT4_LOWS, int4_low
 from gnmr_hf.serving import serve_target
 
 #: what the export's --replan profiles on: batches of BATCH_SIZE blocks of BLOCK tokens from the text's start
@@ -36,9 +38,13 @@ def plan_path(output: str | os.PathLike) -> Path:
 
 
 def replan_low(fmt: str, low_type: str | None) -> str:
-    """The low a re-made plan is over: ``int4`` for compressed-tensors, the GGUF low of ``low_type`` for gguf."""
+    """The low a re-made plan is over: for compressed-tensors ``int4`` (``low_type`` W4A16, the default) or
+    ``int4-asym`` (W4A16_ASYM), the GGUF low of ``low_type`` for gguf."""
     if fmt == "compressed-tensors":
-        return "int4"
+        try:
+            return int4_low(low_type)
+        except ValueError as e:
+            raise ExportError(f"--low-type {e}") from None
     if fmt == "gguf":
         low = (low_type or "Q4_0").lower()
         if low not in GGUF_LOWS:
@@ -83,7 +89,10 @@ def replan(model_path: str | os.PathLike, adapter: str | os.PathLike | None, fmt
     spec = serve_target(serve)
     rungs = tuple(r for r in ("int8", "bf16") if r in spec.rungs)
     budget = budget or f"+10%{low}"
-    gs = (group_size or 128) if low == "int4" else None
+    gs = (group_size or 128) if low in INT4_LOWS else None
+    label = get_rung(low).exports["compressed-tensors"] if gs else GGUF_LOWS[low]  # W4A16, W4A16_ASYM, Q4_0 ...
+    if low not in spec.lows:  # before anything is loaded
+        raise ExportError(f"--replan for {serve}: it does not load {label} ({spec.evidence})")
     path = plan_path(output)
     if path.exists() and not force:
         raise ExportError(f"{path} exists (an earlier --replan's plan): give another --output, or --force")
@@ -93,7 +102,7 @@ def replan(model_path: str | os.PathLike, adapter: str | os.PathLike | None, fmt
     batches_ = profile_blocks(model_path, text, batches, keep_tail)
     model = merged_bf16(model_path, adapter).float()
     print(f"[export] replanning: {'the adapter merged, ' if adapter else ''}the model profiled against "
-          f"{f'INT4 (group {gs})' if gs else GGUF_LOWS[low]} on {batches} batch(es) of {BATCH_SIZE} x {BLOCK} "
+          f"{f'{label} (group {gs})' if gs else label} on {batches} batch(es) of {BATCH_SIZE} x {BLOCK} "
           f"tokens from the start of {source}, budget {budget}, for {serve} ...", flush=True)
     try:
         plan = make_plan(model, batches_, budget, rungs, spec.groups, low=low, group_size=gs, model_path=model_path,
@@ -103,12 +112,12 @@ def replan(model_path: str | os.PathLike, adapter: str | os.PathLike | None, fmt
     finally:
         del model
     plan.chosen_by.update(writer="gnmr-hf export --replan", adapter=str(adapter) if adapter else None, data=source,
-                          currency=("compressed-tensors folder bytes over uniform W4A16" if low == "int4" else
-                                    f"GGUF tensor bytes over the uniform {GGUF_LOWS[low]} file"))
+                          currency=(f"compressed-tensors folder bytes over uniform {label}" if gs else
+                                    f"GGUF tensor bytes over the uniform {label} file"))
     saved = plan.save(path)
     os.chmod(saved, 0o644)
     n8, n16 = len(plan.on("int8")), len(plan.on("bf16"))
     print(f"[export] the serving plan: {n8} linear(s) on INT8{' (Q8_0)' if fmt == 'gguf' else ''}, {n16} on BF16, "
-          f"{plan.price_bytes} B over uniform {'W4A16' if low == 'int4' else GGUF_LOWS[low]} (budget "
+          f"{plan.price_bytes} B over uniform {label} (budget "
           f"{plan.budget_bytes} B); saved to {saved}", flush=True)
     return plan, saved

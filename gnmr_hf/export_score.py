@@ -127,6 +127,41 @@ def stock_ct_fp32(folder: str | os.PathLike, model_path: str | os.PathLike, prob
     return plain.eval()
 
 
+def ct_folder_fp32(folder: str | os.PathLike, model_path: str | os.PathLike):
+    """The compressed-tensors folder's weights as compressed-tensors itself decompresses them (its
+    ``PackedQuantizationCompressor.decompress`` on each quantised linear's packed codes, scales and zero points;
+    every other tensor as stored) in an FP32 copy of the model's architecture: for a folder stock transformers
+    does not load (W4A16_ASYM: it mis-sizes the packed zero points). A symmetric folder gives the stock load's
+    weights exactly (tests/test_export_int4_asym.py)."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    config = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    stored: dict[str, Any] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(f))
+    for group in config.config_groups.values():
+        for name in group.targets:
+            own = {k[len(name) + 1:]: stored.pop(k) for k in [k for k in stored if k.startswith(name + ".weight_")]}
+            if "weight_packed" not in own:
+                raise ScoreError(f"{folder.name}: {name} is in quantization_config but has no weight_packed")
+            stored[f"{name}.weight"] = PackedQuantizationCompressor.decompress(own, group)["weight"]
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    want = plain.state_dict()
+    tied = getattr(plain.config, "tie_word_embeddings", False)
+    missing = [k for k in want if k not in stored and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise ScoreError(f"{folder.name} holds no {missing[0]}")
+    plain.load_state_dict({k: stored[k].to(torch.float32) for k in want if k in stored}, strict=False)
+    return plain.eval()
+
+
 def gguf_fp32(file: str | os.PathLike):
     """The GGUF file through transformers' GGUF loader, in FP32."""
     import torch
@@ -155,9 +190,10 @@ def gguf_fake_quantize(model, qtype: str):
 def score_export(model_path: str | os.PathLike, export_path: str | os.PathLike, fmt: str,
                  adapter: str | os.PathLike | None, text: str, block: int = 256, blocks: int = 16,
                  group_size: int = 128, low_type: str = "Q4_0", source: str = "the given text",
-                 planned: bool = True) -> dict[str, Any]:
+                 planned: bool = True, ct_low: str = "int4") -> dict[str, Any]:
     """Score the export at ``export_path`` (``fmt``: ``"compressed-tensors"`` folder or ``"gguf"`` file) on the
-    held-out ``text`` against the merged BF16 model and the uniform low form (W4A16 at ``group_size``; the GGUF
+    held-out ``text`` against the merged BF16 model and the uniform low form (W4A16 at ``group_size``, W4A16_ASYM
+    for ``ct_low="int4-asym"``, whose folder compressed-tensors decompresses: :func:`ct_folder_fp32`; the GGUF
     ``low_type``), all in FP32 on the same blocks. Returns the figures: ``merged``, ``export``, ``uniform``
     (mean NLL, nats), ``kept``, ``tokens``, ``blocks``, ``block``, ``uniform_form``, ``warning`` (bool),
     ``source``, ``planned``. ``planned=False``: the export is the uniform baseline itself (``--uniform``, an empty
@@ -172,9 +208,11 @@ def score_export(model_path: str | os.PathLike, export_path: str | os.PathLike, 
     base = merged_bf16(model_path, adapter)
     low = copy.deepcopy(base)
     if fmt == "compressed-tensors":
-        fake_quantize_model(low, {}, group_size)
-        form = f"every decoder linear W4A16 (INT4, group {group_size}, symmetric)"
-        served = stock_ct_fp32(export_path, model_path, blks[0][:8])
+        fake_quantize_model(low, {}, group_size, low=ct_low)
+        sym = ct_low == "int4"
+        form = (f"every decoder linear W4A16{'' if sym else '_ASYM'} (INT4, group {group_size}, "
+                f"{'symmetric' if sym else 'a zero point per group'})")
+        served = stock_ct_fp32(export_path, model_path, blks[0][:8]) if sym else ct_folder_fp32(export_path, model_path)
     else:
         gguf_fake_quantize(low, low_type)
         form = f"every decoder linear {low_type} (the gguf package's quantiser)"

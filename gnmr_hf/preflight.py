@@ -19,7 +19,7 @@ from gnmr_hf.memory import parse_budget, parse_memory_budget
 from gnmr_hf.offline.gguf_models import ModelNotFoundError, locate_model
 
 # what gnmr-hf profile's --low takes (gnmr_hf.planning.cli._LOW)
-_PROFILE_LOWS = ("nf4", "fp4", "int8", "int4", "q4_0", "q4_1", "q5_0", "q5_1")
+_PROFILE_LOWS = ("nf4", "fp4", "int8", "int4", "int4-asym", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def _values(argv: Sequence[str], *names: str) -> dict[str, str]:

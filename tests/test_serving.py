@@ -155,7 +155,7 @@ def test_profile_serve_vllm_cpu_buys_only_bf16_groups_and_the_export_follows_the
 
 
 @pytest.mark.parametrize("extra, want", [
-    (["--serve", "vllm-cpu", "--low", "nf4"], "--serve vllm-cpu serves int4 low formats, not --low nf4"),
+    (["--serve", "vllm-cpu", "--low", "nf4"], "--serve vllm-cpu serves int4, int4-asym low formats, not --low nf4"),
     (["--serve", "vllm-cpu", "--low", "int4", "--groups", "none"], "--groups none plans that it cannot load"),
     (["--serve", "gguf", "--low", "nf4"], "--serve gguf plans over a GGUF type (q4_0, q4_1, q5_0, q5_1), not --low nf4"),
 ])
@@ -185,7 +185,7 @@ def test_the_uniform_w4a16_baseline_is_one_flag_and_equals_an_empty_plan(llama, 
     capsys.readouterr()
     assert export_main(["--model", str(llama), "--format", "compressed-tensors", "--uniform", "q4_0",
                         "--output", str(tmp_path / "q")]) == 2
-    assert "writes the uniform baseline as w4a16" in capsys.readouterr().err and not (tmp_path / "q").exists()
+    assert "writes its low linears as W4A16 or W4A16_ASYM" in capsys.readouterr().err and not (tmp_path / "q").exists()
 
 
 def test_profile_low_int4_takes_a_registered_criterion_for_its_rungs(model_dir, docs, tmp_path):

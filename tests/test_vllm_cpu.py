@@ -99,3 +99,30 @@ def test_vllm_cpu_serves_w4a16_and_bf16_with_transformers_nll_and_refuses_w8a16(
     # disagreement, so vLLM tracks each folder, not one number (a random model: the BF16 layer need not help)
     for a, b in (("w4a16", "bf16"), ("cpu", "w4a16"), ("cpu", "bf16")):
         assert abs(nll[a][1] - nll[b][1]) > 5 * worst, (a, b, nll)
+
+
+def test_vllm_cpu_serves_w4a16_asym_as_compressed_tensors_decompresses_it(bench, tiny, tmp_path):
+    """W4A16_ASYM (``--low int4-asym``): vLLM's CPU kernel takes ``uint4``; stock transformers does not load the
+    folder, so transformers' side is compressed-tensors' own decompression (``ct_folder_fp32``)."""
+    from transformers import AutoModelForCausalLM
+
+    from gnmr_hf.export_ct import export_compressed_tensors
+    from gnmr_hf.planning.groups import decoder_linears
+
+    base, blocks = tiny
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(blocks))
+    layer0 = [n for n in decoder_linears(AutoModelForCausalLM.from_pretrained(base)) if ".layers.0." in n]
+    nll = {}
+    for tag, rungs, low in (("sym", {}, "int4"), ("asym", {}, "int4-asym"),
+                            ("asym-cpu", dict.fromkeys(layer0, "bf16"), "int4-asym")):
+        folder = tmp_path / tag
+        export_compressed_tensors(base, rungs, folder, group_size=32, low=low, target="vllm-cpu")
+        assert bench._asymmetric(folder) == (low == "int4-asym")
+        served = bench.vllm_nll(Path(VENV).expanduser(), folder, ids, threads=1, gen_tokens=4, batch=2, eager=True)
+        assert "refused" not in served, served
+        nll[tag] = (served["nll"], bench.transformers_nll(folder, base, blocks)["nll"])
+    worst = max(abs(served - mine) for served, mine in nll.values())
+    assert worst < 0.01, nll
+    for a, b in (("asym", "sym"), ("asym-cpu", "asym")):  # the folders differ by more than the servers do
+        assert abs(nll[a][1] - nll[b][1]) > 5 * worst, (a, b, nll)

@@ -20,6 +20,14 @@ Four steps, each its own sub-command:
                   vLLM on CUDA; vLLM's CPU build is expected to refuse it (no W8A16 kernel), and the refusal's
                   last line is what its row records;
                 - ``bf16``: the BF16 checkpoint folder itself (not exported).
+
+                With ``--low int4-asym`` it adds the same over W4A16_ASYM (a zero point per group; vLLM's ``uint4``,
+                which its CPU kernel takes; stock transformers does not load these folders, so transformers' side
+                reads them through compressed-tensors' own decompression, ``gnmr_hf.export_score.ct_folder_fp32``):
+                ``w4a16-asym`` (uniform), ``cpu-asym-planned`` (BF16 groups chosen on first-order gains measured
+                against W4A16_ASYM, ``ct_rung_gains(..., low="int4-asym")``, on ``--profile-blocks`` of the
+                training files as serve_bench.py takes them) and ``cpu-asym-random-S``, both at the tensor bytes of
+                ``cpu-planned`` (the budget over uniform W4A16_ASYM is the plans file's less the zero points).
 ``score``       scores every folder on the same held-out tokens (``--heldout-blocks`` blocks of 256 tokens of the
                 held-out Python docs, spaced as serve_bench.py spaces them): by transformers (stock
                 ``from_pretrained(folder)``, its served weights in an FP32 copy, one thread: serve_bench.py's
@@ -34,6 +42,8 @@ Four steps, each its own sub-command:
     python bench/serve/vllm_cpu.py score --model smollm2-135m-instruct --work /tmp/vllm_bench \\
         --out bench/results/vllm_cpu/smollm2.json
     python bench/serve/vllm_cpu.py table bench/results/vllm_cpu/smollm2.json
+    python bench/serve/vllm_cpu.py export --model smollm2-135m-instruct --group-size 64 --work /tmp/vllm_bench \
+        --low int4-asym --profile-blocks 32        # then score as above: the asymmetric rows join the file
 """
 
 from __future__ import annotations
@@ -162,15 +172,23 @@ def transformers_nll(folder: Path, base: Path, blocks: list[list[int]]) -> dict[
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gnmr_hf.export_score import nll, stock_ct_fp32
+    from gnmr_hf.export_score import ct_folder_fp32, nll, stock_ct_fp32
 
     start = time.time()
     if folder.resolve() == base.resolve():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    elif _asymmetric(folder):  # stock transformers does not load it: compressed-tensors' own decompression
+        model = ct_folder_fp32(folder, base)
     else:
         model = stock_ct_fp32(folder, base, blocks[0][:8])
     mean, count = nll(model, blocks)
     return {"nll": mean, "tokens": count, "seconds": time.time() - start}
+
+
+def _asymmetric(folder: Path) -> bool:
+    """True for a folder whose quantised weights carry zero points (W4A16_ASYM)."""
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config", {})
+    return any(g.get("weights", {}).get("symmetric") is False for g in config.get("config_groups", {}).values())
 
 
 def heldout_blocks(base: Path, n: int, source: str) -> list[list[int]]:
@@ -204,14 +222,53 @@ def cpu_plans(plans: dict[str, Any], model_path: Path, seeds: list[int]) -> dict
     budget = int(plans["budget_bytes"])
     out = {"cpu-planned": expand_rungs(choose_rungs(gunits, budget, ("bf16",), fill=True), groups)}
     for s in seeds:
-        rng, order, used, chosen = random.Random(s), list(range(len(gunits))), 0, {}
-        rng.shuffle(order)
-        for i in order:
-            if used + gunits[i].prices["bf16"] <= budget:
-                chosen[gunits[i].name] = "bf16"
-                used += gunits[i].prices["bf16"]
-        out[f"cpu-random-{s}"] = expand_rungs(chosen, groups)
+        out[f"cpu-random-{s}"] = expand_rungs(random_bf16(gunits, budget, s), groups)
     return out
+
+
+def random_bf16(gunits: list, budget: int, seed: int) -> dict[str, str]:
+    """Serving groups on BF16 in a seeded random order, each while it fits ``budget``."""
+    rng, order, used, chosen = random.Random(seed), list(range(len(gunits))), 0, {}
+    rng.shuffle(order)
+    for i in order:
+        if used + gunits[i].prices["bf16"] <= budget:
+            chosen[gunits[i].name] = "bf16"
+            used += gunits[i].prices["bf16"]
+    return chosen
+
+
+def asym_plans(plans: dict[str, Any], model_path: Path, group_size: int, seeds: list[int], profile_blocks: int,
+               source: str) -> tuple[dict[str, dict[str, str]], dict[str, Any]]:
+    """The ``--low int4-asym`` plans: BF16 groups over W4A16_ASYM, planned on gains measured against it, and random
+    ones, at the tensor bytes of the plans file's budget over uniform W4A16."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gnmr_hf.export_ct import ct_rung_gains, ct_shapes, ct_tensor_bytes
+    from gnmr_hf.offline.text_data import text_task
+    from gnmr_hf.planning.groups import decoder_linears, expand_rungs, grouped_ladder_units, serving_groups
+    from gnmr_hf.planning.ladder import choose_rungs
+
+    sb = _serve_bench()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    linears = decoder_linears(model)
+    shapes, other = ct_shapes(model, linears)
+    uniform = ct_tensor_bytes(shapes, {}, other, group_size, "int4-asym")
+    budget = int(plans["budget_bytes"]) + int(plans["uniform_w4a16_tensor_bytes"]) - uniform
+    train, _, _ = text_task(source, AutoTokenizer.from_pretrained(model_path), BLOCK)
+    t0 = time.time()
+    units = ct_rung_gains(model, sb.batches(sb.spaced(train, profile_blocks), 4), group_size, linears, "int4-asym")
+    log(f"gains against W4A16_ASYM (group {group_size}) on {profile_blocks} blocks: {time.time() - t0:.0f} s")
+    for u in units:
+        u.gains, u.prices = {"bf16": u.gains["bf16"]}, {"bf16": u.prices["bf16"]}
+    groups = serving_groups(model, linears)
+    gunits = grouped_ladder_units(units, groups)
+    out = {"w4a16-asym": {}, "cpu-asym-planned": expand_rungs(choose_rungs(gunits, budget, ("bf16",), fill=True),
+                                                               groups)}
+    for s in seeds:
+        out[f"cpu-asym-random-{s}"] = expand_rungs(random_bf16(gunits, budget, s), groups)
+    return out, {"asym_budget_bytes": budget, "uniform_w4a16_asym_tensor_bytes": uniform,
+                 "asym_units": [{"name": u.name, "gains": u.gains, "prices": u.prices} for u in units]}
 
 
 def export(args) -> None:
@@ -222,18 +279,29 @@ def export(args) -> None:
     name = Path(args.model).name
     plans_file = Path(args.plans or ROOT / "bench" / "results" / "serve" / f"{name}_plans.json")
     plans = json.loads(plans_file.read_text())
-    jobs = {"w4a16": {}, **cpu_plans(plans, base, args.seeds), "gpu-planned": plans["rungs"]["planned"]}
     work = Path(args.work) / name
     work.mkdir(parents=True, exist_ok=True)
-    (work / "plans.json").write_text(json.dumps({"from": str(plans_file), "budget_bytes": plans["budget_bytes"],
-                                                 "rungs": jobs}, indent=1) + "\n")
+    record = json.loads((work / "plans.json").read_text()) if (work / "plans.json").is_file() else {}
+    if args.low == "int4-asym":
+        jobs, extra = asym_plans(plans, base, args.group_size, args.seeds, args.profile_blocks, args.source)
+        lows = dict.fromkeys(jobs, "int4-asym")
+    else:
+        jobs, extra, lows = {"w4a16": {}, **cpu_plans(plans, base, args.seeds), "gpu-planned": plans["rungs"]["planned"]}, {}, {}
+    record = {"from": str(plans_file), "budget_bytes": plans["budget_bytes"], **{k: v for k, v in record.items() if
+                                                                                 k not in ("from", "budget_bytes")}}
+    record["rungs"] = {**record.get("rungs", {}), **jobs}
+    record["lows"] = {**record.get("lows", {}), **lows}
+    record.update(extra)
+    (work / "plans.json").write_text(json.dumps(record, indent=1) + "\n")
     for tag, rungs in jobs.items():
         folder = work / tag
         if (folder / "config.json").is_file():
             log(f"{tag}: there already")
             continue
-        s = export_compressed_tensors(base, rungs, folder, group_size=args.group_size, force=True)
-        log(f"{tag}: {s['tensor_bytes']:,} tensor bytes, schemes {s['schemes']}")
+        low = lows.get(tag, "int4")
+        s = export_compressed_tensors(base, rungs, folder, group_size=args.group_size, force=True, low=low,
+                                      target="vllm-cpu" if low != "int4" else None)
+        log(f"{tag}: {s['tensor_bytes']:,} tensor bytes, schemes {s['schemes']} over {s['low_scheme']}")
 
 
 def score(args) -> None:
@@ -313,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--group-size", type=int, required=True, help="the W4A16 group the plans file was measured at")
     e.add_argument("--plans", default=None, help="serve_bench.py's plans file (default: its committed one)")
     e.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    e.add_argument("--low", default="int4", choices=("int4", "int4-asym"),
+                   help="int4-asym: the W4A16_ASYM rows (uniform, planned against it, random) at cpu-planned's bytes")
+    e.add_argument("--profile-blocks", type=int, default=32, help="--low int4-asym: training blocks to profile on")
+    e.add_argument("--source", default=PYDOCS)
     s = sub.add_parser("score", help="held-out NLL (transformers and vLLM) and vLLM decode speed of every folder")
     s.add_argument("--model", required=True)
     s.add_argument("--work", required=True)

@@ -30,14 +30,16 @@ def run(args, model_path: str) -> dict[str, Any]:
     )
 
     return export_compressed_tensors(model_path, args.plan, args.output, adapter=args.adapter,
-                                     group_size=args.group_size, force=args.force, target=args.target)
+                                     group_size=args.group_size, force=args.force, target=args.target,
+                                     low=getattr(args, "ct_low", None))
 
 
 def describe(s: dict[str, Any]) -> str:
     """The line ``gnmr-hf export`` prints for the folder written."""
     mib = 2**20
     c = s["schemes"]
-    return (f"wrote {s['folder']} (compressed-tensors, for {s['target']}): W4A16 {c['W4A16']} / W8A16 {c['W8A16']} / "
+    low = s.get("low_scheme", "W4A16")
+    return (f"wrote {s['folder']} (compressed-tensors, for {s['target']}): {low} {c['W4A16']} / W8A16 {c['W8A16']} / "
             f"BF16 {c['BF16']} decoder linears, INT4 group {s['group_size']}; {s['bytes_on_disk'] / mib:.1f} MiB on "
             f"disk; tensors {s['tensor_bytes'] / mib:.1f} MiB ({100 * (s['tensor_bytes'] / s['w4a16_tensor_bytes'] - 1):+.1f} "
-            f"% over uniform W4A16, {s['w4a16_tensor_bytes'] / mib:.1f} MiB; BF16 {s['bf16_tensor_bytes'] / mib:.1f} MiB)")
+            f"% over uniform {low}, {s['w4a16_tensor_bytes'] / mib:.1f} MiB; BF16 {s['bf16_tensor_bytes'] / mib:.1f} MiB)")

@@ -20,13 +20,14 @@ from gnmr_hf.planning.plan import GGUF_LOWS, LOWS
 from gnmr_hf.planning.profile_int4 import INT4_POINTS, run_int4  # noqa: F401  (INT4_POINTS re-exported)
 from gnmr_hf.planning.profile_run import PRICE_POINTS, ProfileError, examples, run_bnb  # noqa: F401
 from gnmr_hf.reporting.report import OneLineErrorParser
+from gnmr_hf.rungs.int4 import INT4_LOWS
 from gnmr_hf.serving import TARGETS as SERVE_TARGETS
 from gnmr_hf.serving import serve_target
 
 # ------------------------------------------------------------------------------------------ CLI
 
 
-_LOW = LOWS  # nf4, fp4, int8, int4 and the GGUF types (q4_0, q4_1, q5_0, q5_1)
+_LOW = LOWS  # nf4, fp4, int8, int4, int4-asym and the GGUF types (q4_0, q4_1, q5_0, q5_1)
 _TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 
 
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a precision-ladder plan (INT8 / BF16 rungs, first-order gains ct_rung_gains) for gnmr-hf "
                         "export --format compressed-tensors, budgets in the folder's bytes over uniform W4A16 "
                         "(+10%%int4, a size over it, or a share N%% of what every decoder linear on BF16 would cost "
-                        "over it), grouped for vLLM by default; --storage and --no-ladder do not apply. q4_0, q4_1, "
+                        "over it), grouped for vLLM by default; --storage and --no-ladder do not apply. int4-asym: "
+                        "the same over W4A16_ASYM (a zero point per group; +10%%int4-asym; vLLM serves it, stock "
+                        "transformers does not load it: --serve vllm-cpu or vllm-gpu). q4_0, q4_1, "
                         "q5_0, q5_1 (--serve gguf, default q4_0): a ladder over that GGUF type with Q8_0 (int8) and "
                         "BF16 rungs, profiled against the gguf package's own quantisers, budgets in the GGUF file's "
                         "tensor bytes over the uniform file (+10%%q4_0), for gnmr-hf export --format gguf")
@@ -245,14 +248,15 @@ _examples = examples  # the former name
 def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Every flag checked before anything is loaded (one :class:`ProfileError` line); returns the criteria."""
     _apply_serve(args)
-    int4 = args.low == "int4"
+    int4 = args.low in INT4_LOWS
     memory = parse_memory_budget(args.budget, lows=_LOW)  # "+10%nf4", "+10%int4": priced once the model is known
-    if memory is not None and memory[1] == "int4" and not int4:
-        raise ProfileError(f"--budget {args.budget} is memory over the uniform W4A16 (int4) model, but --low is "
-                           f"{args.low}")
+    if memory is not None and memory[1] in INT4_LOWS and memory[1] != args.low:
+        scheme = "W4A16" if memory[1] == "int4" else "W4A16_ASYM"
+        raise ProfileError(f"--budget {args.budget} is memory over the uniform {scheme} ({memory[1]}) model, but --low "
+                           f"is {args.low}")
     if args.group_size is not None and not int4:
-        raise ProfileError(f"--group-size is the INT4 group of --low int4 (the compressed-tensors export's), not of "
-                           f"--low {args.low}")
+        raise ProfileError(f"--group-size is the INT4 group of --low int4 / int4-asym (the compressed-tensors "
+                           f"export's), not of --low {args.low}")
     if memory is not None and memory[1] != args.low:
         raise ProfileError(f"--budget {args.budget} is memory over the {memory[1]} model, but --low is {args.low}")
     if memory is None:
@@ -351,7 +355,7 @@ def _apply_serve(args: argparse.Namespace) -> None:
     args.low = args.low or target.lows[0]
     if target.groups:
         args.groups = target.groups
-    if args.low == "int4":
+    if args.low in INT4_LOWS:
         args.serve_rungs = target.rungs
     elif target.rungs != ("bf16",) and serve != "transformers":
         raise ProfileError(f"--serve {serve}: its rungs {target.rungs} over {args.low} are not planned by gnmr-hf "
@@ -366,7 +370,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    int4 = args.low == "int4" or args.low in GGUF_LOWS  # the BF16 model and an export's quantisers in torch
+    int4 = args.low in INT4_LOWS or args.low in GGUF_LOWS  # the BF16 model and an export's quantisers in torch
     needs = ("transformers", "peft", "datasets") if int4 else ("transformers", "bitsandbytes", "peft", "datasets")
     for pkg in needs + (("gguf",) if args.low in GGUF_LOWS else ()):
         require(pkg, "gnmr-hf profile")

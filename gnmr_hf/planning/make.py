@@ -52,6 +52,7 @@ from gnmr_hf.planning.plan import GGUF_LOWS, LOWS, Plan, PlanError
 from gnmr_hf.planning.planner import PrecisionPlan, measure_plan, serving_layout
 from gnmr_hf.planning.profiler import model_identity
 from gnmr_hf.planning.results import SensitivityProfile
+from gnmr_hf.rungs.int4 import INT4_LOWS
 
 #: the rungs a first-order rung gain is measured on (the ladder and INT4 plans)
 LADDER_CRITERION = "first_order"
@@ -81,7 +82,7 @@ def plan_prices(model, rungs: Sequence[str] = ("bf16",), low: str = "nf4", model
     """Each planned linear's price on each of ``rungs`` and the all-low model's bytes (see the module docstring).
 
     ``model``: a dual-path model (``prepare_dual_path(..., units="linears")``) for a bitsandbytes low format, its
-    planned linears the dual-path linears; the BF16 model (no quantiser) for ``low="int4"``, its planned linears
+    planned linears the dual-path linears; the BF16 model (no quantiser) for an INT4 ``low``, its planned linears
     the decoder linears. ``model_path`` (bitsandbytes formats): the checkpoint whose all-low model is priced
     from its config (:func:`gnmr_hf.planning.budget.over_low_prices`)."""
     rungs = tuple(rungs)
@@ -93,14 +94,14 @@ def plan_prices(model, rungs: Sequence[str] = ("bf16",), low: str = "nf4", model
         shapes = {n: (mods[n].out_features, mods[n].in_features) for n in linears}
         prices = {n: {r: p for r, p in gguf_rung_prices(*shapes[n], low).items() if r in rungs} for n in linears}
         return PlanPrices(linears, shapes, prices, low, gguf_model_bytes(model, linears, {}, low), rungs)
-    if low == "int4":
+    if low in INT4_LOWS:
         gs = 128 if group_size is None else int(group_size)
         linears = decoder_linears(model)
         mods = dict(model.named_modules())
         shapes = {n: (mods[n].out_features, mods[n].in_features) for n in linears}
-        prices = {n: {r: p for r, p in ct_rung_prices(*shapes[n], gs).items() if r in rungs} for n in linears}
+        prices = {n: {r: p for r, p in ct_rung_prices(*shapes[n], gs, low).items() if r in rungs} for n in linears}
         ct, other = ct_shapes(model, linears)
-        return PlanPrices(linears, shapes, prices, low, ct_tensor_bytes(ct, {}, other, gs), rungs, gs)
+        return PlanPrices(linears, shapes, prices, low, ct_tensor_bytes(ct, {}, other, gs, low), rungs, gs)
     if model_path is None:
         raise PlanError(f"plan_prices(low={low!r}) prices the all-{low} model from its checkpoint: give model_path")
     units = _units(model, "linears")
@@ -166,7 +167,7 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
     why = unknown_criterion(criterion) if criterion is not None else None
     if why:
         raise PlanError(why)
-    if prices.rungs == ("bf16",) and prices.low != "int4" and prices.low not in GGUF_LOWS:
+    if prices.rungs == ("bf16",) and prices.low not in INT4_LOWS and prices.low not in GGUF_LOWS:
         criterion = criterion or DEFAULT_CRITERION
         if profile is None:
             owner = gain_score(criterion)[0]  # a score (output_rel) is its criterion's (output) to run
@@ -186,8 +187,8 @@ def plan_gains(model, batches, prices: PlanPrices, criterion: str | None = None,
     if criterion not in (None, LADDER_CRITERION):  # a registered criterion, once per rung
         units, tokens = rung_criteria.criterion_rung_gains(model, batches, prices, criterion, progress=progress)
         return PlanGains(units, criterion, len(batches), tokens)
-    if prices.low == "int4":
-        units = int4.ct_rung_gains(model, batches, prices.group_size, prices.linears)
+    if prices.low in INT4_LOWS:
+        units = int4.ct_rung_gains(model, batches, prices.group_size, prices.linears, prices.low)
     elif prices.low in GGUF_LOWS:
         units = gguf_plan.gguf_rung_gains(model, batches, prices.low, prices.linears)
     else:
@@ -226,7 +227,7 @@ def layout_of(model, groups: str | None, prices: PlanPrices):
     if groups is None:
         return None
     try:
-        if prices.low == "int4" or prices.low in GGUF_LOWS:  # the BF16 model: its own modules
+        if prices.low in INT4_LOWS or prices.low in GGUF_LOWS:  # the BF16 model: its own modules
             return serving_groups(model, prices.linears)
         return serving_layout(groups, model=model, linears=prices.linears)
     except (ServingLayoutError, ValueError) as e:

@@ -44,6 +44,7 @@ from gnmr_hf.memory import parse_memory_budget
 from gnmr_hf.planning.groups import INT4_PROFILE
 from gnmr_hf.planning.profile_format import check_profile_dict
 from gnmr_hf.rungs import get_rung, planned_rungs
+from gnmr_hf.rungs.int4 import INT4_LOWS
 from gnmr_hf.serving import ServeError, check_plan, serve_target
 from gnmr_hf.strict_json import DuplicateKeyError, read_json
 
@@ -53,9 +54,9 @@ SCHEMA_VERSION = 1
 KIND = "gnmr_hf.plan"
 #: a GGUF plan's low (``gnmr-hf profile --serve gguf``) -> the ggml type its unplanned linears are written at
 GGUF_LOWS = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1"}
-#: the low formats a plan is made over (``int4``: the compressed-tensors export's W4A16; ``q4_0`` ...: a GGUF
-#: file's ggml types, :mod:`gnmr_hf.planning.gguf_plan`)
-LOWS = ("nf4", "fp4", "int8", "int4", *GGUF_LOWS)
+#: the low formats a plan is made over (``int4``: the compressed-tensors export's W4A16, ``int4-asym`` its
+#: W4A16_ASYM; ``q4_0`` ...: a GGUF file's ggml types, :mod:`gnmr_hf.planning.gguf_plan`)
+LOWS = ("nf4", "fp4", "int8", *INT4_LOWS, *GGUF_LOWS)
 #: what refuses a GGUF plan where a bitsandbytes or compressed-tensors one is needed
 GGUF_PROFILE = "profiled against a GGUF file's ggml types (gnmr-hf profile --serve gguf): export it with --format gguf"
 #: the stock rungs a planned linear may be on, cheapest first; a plan takes any registered planned rung
@@ -111,7 +112,8 @@ class Plan:
     Attributes:
         rungs: full linear name -> ``"int8"`` or ``"bf16"``; every other decoder linear is on ``low``.
         low: the low format (one of :data:`LOWS`).
-        group_size: the INT4 group size (``low == "int4"``); None for the bitsandbytes and GGUF formats.
+        group_size: the INT4 group size (``low`` ``"int4"`` or ``"int4-asym"``); None for the bitsandbytes and GGUF
+            formats.
         groups: ``"vllm"`` when the plan buys whole serving groups, None for a free plan.
         rung_set: the rungs the plan was chosen over: ``("bf16",)`` (a BF16-only plan), ``("int8",)`` or
             ``("int8", "bf16")`` (the ladder).
@@ -169,7 +171,7 @@ class Plan:
         if off:
             raise PlanError(f"{where}{off[0]} is on {self.rungs[off[0]]}, which is not among the rungs the plan was "
                             f"chosen over ({', '.join(self.rung_set)})")
-        if (self.group_size is None) != (self.low != "int4"):
+        if (self.group_size is None) != (self.low not in INT4_LOWS):
             raise PlanError(f"{where}group_size {self.group_size!r} with low {self.low}: an int4 plan records its group "
                             "size, a bitsandbytes one none")
         if self.serve is not None:
@@ -186,8 +188,8 @@ class Plan:
     @property
     def is_int4(self) -> bool:
         """True for a plan over the compressed-tensors export's INT4 (``gnmr-hf profile --low int4``): no
-        bitsandbytes load, skip list or folder serves it. The one place that asks."""
-        return self.low == "int4"
+        bitsandbytes load, skip list or folder serves it (``--low int4-asym`` too). The one place that asks."""
+        return self.low in INT4_LOWS
 
     @property
     def is_gguf(self) -> bool:
@@ -260,12 +262,13 @@ class Plan:
                             "has no scheme for (the rung registers none)")
         # each linear's scheme: the low format's (W4A16) unless planned, else its rung's compressed-tensors entry
         # (gnmr_hf.rungs: INT8 "W8A16", BF16 "ignore"); one config group per scheme, W4A16 first
+        low = get_rung(self.low).exports["compressed-tensors"] if self.low in INT4_LOWS else "W4A16"
         by_scheme: dict[str, list[str]] = {}
         for n in linears:
-            scheme = get_rung(self.rungs[n]).exports["compressed-tensors"] if n in self.rungs else "W4A16"
+            scheme = get_rung(self.rungs[n]).exports["compressed-tensors"] if n in self.rungs else low
             by_scheme.setdefault(scheme, []).append(n)
         ignore = ["lm_head"] + by_scheme.pop("ignore", [])
-        order = sorted(by_scheme, key=lambda k: (k != "W4A16", k))
+        order = sorted(by_scheme, key=lambda k: (k != low, k))
         groups = {f"group_{i}": QuantizationScheme(targets=by_scheme[k], weights=ct_weight_args(k, gs))
                   for i, k in enumerate(order)}
         return QuantizationConfig(config_groups=groups, ignore=ignore) if groups else None
@@ -376,7 +379,7 @@ def ct_weight_args(scheme: str, group_size: int):
     if scheme == "W8A16":
         return QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)
     args = preset_name_to_scheme(scheme, ["Linear"]).weights
-    if scheme != "W4A16" or args.group_size == group_size:
+    if scheme not in ("W4A16", "W4A16_ASYM") or args.group_size == group_size:
         return args
     return args.model_copy(update={"group_size": group_size})
 
@@ -432,10 +435,11 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
         raise PlanError(f"{where}: 'rungs' must map linear names to rungs ({', '.join(planned_rungs())})")
     record = data.get("plan") if isinstance(data.get("plan"), dict) else {}
     low = data.get("low", record.get("low", "nf4"))  # a ladder recipe's record says (since issue 59): NF4
-    if low == "int4":  # gnmr-hf profile --low int4 (--serve: the target's rungs, recorded since issue 60)
+    if low in INT4_LOWS:  # gnmr-hf profile --low int4 (--serve: the target's rungs, recorded since issue 60)
         recorded = data.get("rung_set")
         rung_set = tuple(recorded) if isinstance(recorded, list) and recorded else ("int8", "bf16")
-        currency, writer = "compressed-tensors folder bytes over uniform W4A16", "gnmr-hf profile --low int4"
+        scheme = get_rung(low).exports["compressed-tensors"]
+        currency, writer = f"compressed-tensors folder bytes over uniform {scheme}", f"gnmr-hf profile --low {low}"
         price = data.get("price_bytes", record.get("price_bytes"))
     else:
         counts = record.get("rung_counts")
@@ -444,7 +448,7 @@ def _from_rungs_file(data: dict[str, Any], where: str) -> Plan:
         currency = "memory over the NF4 model" if record else None
         writer = "a ladder recipe" if record else "hand-built"
         price = record.get("price_over_nf4_bytes", record.get("over_low_bytes"))
-    chosen = {"writer": writer, "criterion": record.get("criterion", "first_order") if record or low == "int4" else None,
+    chosen = {"writer": writer, "criterion": record.get("criterion", "first_order") if record or low in INT4_LOWS else None,
               "batches": data.get("batches"), "tokens": data.get("tokens"), "policy": record.get("policy"),
               "command": data.get("command"), "currency": currency}
     return _build(where, rungs=dict(rungs), low=low, group_size=_opt_int(data.get("group_size")),

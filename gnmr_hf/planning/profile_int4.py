@@ -24,12 +24,13 @@ import torch
 from gnmr_hf.planning.criteria import _criteria
 from gnmr_hf.planning.gguf_plan import GGUF_LOWS, block, rung_fake_quant
 from gnmr_hf.planning.groups import split_groups
-from gnmr_hf.planning.int4 import _largest_group, int4_fake_quant, int8_fake_quant
+from gnmr_hf.planning.int4 import _largest_group, int8_fake_quant, low_fake_quant
 from gnmr_hf.planning.ladder import _loss
 from gnmr_hf.planning.make import layout_of, make_plan, plan_budget, plan_gains, plan_prices
 from gnmr_hf.planning.plan import Plan, PlanError
 from gnmr_hf.planning.profile_run import ProfileError, examples, noise_floor
 from gnmr_hf.planning.profiler import model_identity
+from gnmr_hf.rungs import get_rung
 
 #: --low int4's (and --serve gguf's) price points: memory over the uniform W4A16 folder (the uniform low file)
 INT4_POINTS = (0.05, 0.10, 0.25)
@@ -39,8 +40,8 @@ INT4_POINTS = (0.05, 0.10, 0.25)
 class _LowSpec:
     """The export a plan is profiled against: its low, how it is named, its currency, its served weights."""
 
-    low: str  # "int4" or a GGUF low ("q4_0")
-    label: str  # the uniform low model's name ("W4A16", "Q4_0")
+    low: str  # "int4", "int4-asym" or a GGUF low ("q4_0")
+    label: str  # the uniform low model's name ("W4A16", "W4A16_ASYM", "Q4_0")
     what: str  # the low path in words
     currency: str  # the plan's currency (chosen_by["currency"])
     group_size: int | None  # the INT4 group (None for GGUF: a type's block is fixed)
@@ -59,12 +60,14 @@ def _spec(args: argparse.Namespace) -> _LowSpec:
                         f"GGUF tensor bytes over the uniform {t} file", None,
                         lambda w, rung: rung_fake_quant(w, rung, low))
     gs = 128 if args.group_size is None else args.group_size
+    low_quant = low_fake_quant(low, gs)
+    scheme = get_rung(low).exports["compressed-tensors"]  # W4A16, W4A16_ASYM
 
     def quant(w, rung):
-        return w if rung == "bf16" else int8_fake_quant(w) if rung == "int8" else int4_fake_quant(w, gs)
+        return w if rung == "bf16" else int8_fake_quant(w) if rung == "int8" else low_quant(w)
 
-    return _LowSpec("int4", "W4A16", f"the compressed-tensors export's INT4, group {gs}",
-                    "compressed-tensors folder bytes over uniform W4A16", gs, quant)
+    return _LowSpec(low, scheme, f"the compressed-tensors export's INT4 ({scheme}), group {gs}",
+                    f"compressed-tensors folder bytes over uniform {scheme}", gs, quant)
 
 
 def _rungs(args: argparse.Namespace) -> tuple[str, ...]:
@@ -274,7 +277,7 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
     base = prices.low_model_bytes
     chosen = main_row["rungs"]
     groups = "vllm" if kind == "grouped" else None
-    writer = "gnmr-hf profile --serve gguf" if spec.gguf else "gnmr-hf profile --low int4"
+    writer = "gnmr-hf profile --serve gguf" if spec.gguf else f"gnmr-hf profile --low {spec.low}"
     plan = Plan(dict(chosen), low=spec.low, group_size=gs, groups=groups, rung_set=_rungs(args), budget=args.budget,
                 budget_bytes=budget, price_bytes=main_row["price_bytes"], model_identity=model_identity(model_path),
                 chosen_by={"writer": writer, "criterion": gains.criterion,

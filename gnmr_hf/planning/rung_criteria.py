@@ -34,11 +34,12 @@ from torch import nn
 from gnmr_hf.backends.recovery import CheckpointRecovery
 from gnmr_hf.planning.criteria import REGISTRY, gain_score, unknown_criterion
 from gnmr_hf.planning.gguf_plan import rung_fake_quant
-from gnmr_hf.planning.int4 import int4_fake_quant, int8_fake_quant
+from gnmr_hf.planning.int4 import int8_fake_quant, low_fake_quant
 from gnmr_hf.planning.ladder import LadderUnit
 from gnmr_hf.planning.passes import _prepare_batches, _set_path, _Unit, _units
 from gnmr_hf.planning.plan import GGUF_LOWS, PlanError
 from gnmr_hf.rungs import get_rung
+from gnmr_hf.rungs.int4 import INT4_LOWS
 
 #: the INT8 rung's outlier threshold, as the ladder's gains and load_planned use it
 INT8_THRESHOLD = 6.0
@@ -139,9 +140,11 @@ def _bnb_paths(model) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
         _set_path(units, start)
 
 
-def _int4_paths(model, linears: list[str], group_size: int) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
-    """The BF16 model's decoder linears as dual paths over their W4A16 weights, and the rung switch."""
-    return _fake_quant_paths(model, linears, lambda w: int4_fake_quant(w, group_size), _ct_rung_weight)
+def _int4_paths(model, linears: list[str], group_size: int,
+                low: str = "int4") -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
+    """The BF16 model's decoder linears as dual paths over their weights on the INT4 ``low`` (W4A16, or
+    W4A16_ASYM), and the rung switch."""
+    return _fake_quant_paths(model, linears, low_fake_quant(low, group_size), _ct_rung_weight)
 
 
 def _gguf_paths(model, linears: list[str], low: str) -> Iterator[tuple[list[_Unit], Callable[[str], None]]]:
@@ -202,8 +205,8 @@ def criterion_rung_gains(model, batches, prices, criterion: str, progress: bool 
     run = REGISTRY[owner][0]
     prepared, counts = _prepare_batches(model, batches)
     weights = [n / sum(counts) for n in counts]
-    if prices.low == "int4":
-        paths = _int4_paths(model, prices.linears, prices.group_size or 128)
+    if prices.low in INT4_LOWS:
+        paths = _int4_paths(model, prices.linears, prices.group_size or 128, prices.low)
     elif prices.low in GGUF_LOWS:
         paths = _gguf_paths(model, prices.linears, prices.low)
     else:

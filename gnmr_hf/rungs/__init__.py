@@ -6,7 +6,8 @@ module a planned linear is loaded as, and how each export format writes it).
 file            rungs             role
 ==============  ================  ===================================================================
 ``low4.py``     ``nf4``, ``fp4``  bitsandbytes' 4-bit low formats
-``int4.py``     ``int4``          the compressed-tensors export's W4A16 low format
+``int4.py``     ``int4``,         the compressed-tensors export's W4A16 low formats (symmetric, and
+                ``int4-asym``     asymmetric: a zero point per group)
 ``int8.py``     ``int8``          LLM.int8: a low format and a rung of the precision ladder
 ``bf16.py``     ``bf16``          the checkpoint weight, unquantised: the top rung
 ==============  ================  ===================================================================

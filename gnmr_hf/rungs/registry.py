@@ -123,4 +123,4 @@ def planned_rungs() -> tuple[str, ...]:
 
 
 #: the stock rungs (registered by gnmr_hf.rungs' own files)
-STOCK = ("nf4", "fp4", "int4", "int8", "bf16")
+STOCK = ("nf4", "fp4", "int4", "int4-asym", "int8", "bf16")
