@@ -70,10 +70,12 @@ def _export(name: str, args, work: Path, train: str, model_path: str):
         elif p.exists():
             p.unlink()
     info: dict = {}
+    asym = name.endswith("-asym")
     if name.endswith("replan") or "replan-" in name:
-        target = None if fmt == "gguf" else name.removeprefix("ct-replan-")
+        target = None if fmt == "gguf" else name.removeprefix("ct-replan-").removesuffix("-asym")
         plan, _ = replan(model_path, args.adapter, fmt, train, out, group_size=args.group_size, target=target,
-                         source="train.txt")
+                         source="train.txt", low_type="W4A16_ASYM" if asym else None,
+                         budget=f"{_asym_budget(model_path, args.group_size)}B" if asym else None)
         info = {"int8": len(plan.on("int8")), "bf16": len(plan.on("bf16")), "price_bytes": plan.price_bytes,
                 "budget_bytes": plan.budget_bytes}
         plan_arg = plan_file
@@ -87,8 +89,24 @@ def _export(name: str, args, work: Path, train: str, model_path: str):
     else:
         s = export_compressed_tensors(model_path, plan_arg or {}, out, adapter=args.adapter, group_size=args.group_size,
                                       target="transformers" if name.endswith("retyped") else None)
+        info["low"] = s["low"]
         info.update(bytes=s["bytes_on_disk"], schemes=s.get("schemes"))
     return out, fmt, info
+
+
+def _asym_budget(model_path: str, group_size: int) -> int:
+    """Bytes over uniform W4A16_ASYM that bring a folder to uniform W4A16's tensor bytes + 10 %."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gnmr_hf.export_ct import ct_shapes, ct_tensor_bytes
+    from gnmr_hf.planning.groups import decoder_linears
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    shapes, other = ct_shapes(meta, decoder_linears(meta))
+    w4 = ct_tensor_bytes(shapes, {}, other, group_size)
+    return int(1.1 * w4) - ct_tensor_bytes(shapes, {}, other, group_size, "int4-asym")
 
 
 def run(args) -> None:
@@ -108,15 +126,20 @@ def run(args) -> None:
     if args.train_plan:
         rows[1:1] = ["gguf-retyped"]
         rows.append("ct-retyped")
+    if args.asym:
+        rows += ["ct-replan-vllm-asym", "ct-replan-vllm-cpu-asym"]
     for name in rows:
         if name in doc["rows"]:
             continue
         t0 = time.time()
         path, fmt, info = _export(name, args, work, train, model_path)
         r = score_export(model_path, path, fmt, args.adapter, held, group_size=args.group_size, low_type="Q4_0",
-                         source="heldout.txt", planned=not name.endswith("uniform"))
+                         source="heldout.txt", planned=not name.endswith("uniform"), ct_low=info.get("low", "int4"))
         doc["rows"][name] = {**info, **{k: r[k] for k in ("merged", "export", "uniform", "kept", "tokens")},
                              "seconds": round(time.time() - t0)}
+        if "ct-uniform" in doc["rows"] and fmt != "gguf":  # against uniform W4A16, as every compressed-tensors row
+            w4 = doc["rows"]["ct-uniform"]["export"]
+            doc["rows"][name]["kept_vs_w4a16"] = (w4 - r["export"]) / (w4 - r["merged"])
         out.write_text(json.dumps(doc, indent=1) + "\n")
         log(f"{name}: export {r['export']:.4f} (merged {r['merged']:.4f}, uniform {r['uniform']:.4f}), kept "
             f"{r['kept']:.3f}, {info}")
@@ -140,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--work", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--asym", action="store_true", help="also the rows replanned over W4A16_ASYM (vLLM serves it)")
     args = p.parse_args(argv)
     if args.cmd == "make-text":
         make_text(args)
