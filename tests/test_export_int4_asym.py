@@ -184,3 +184,46 @@ def test_the_preflight_knows_every_low_the_profile_takes():
     assert preflight._PROFILE_LOWS == cli._LOW and "int4-asym" in cli._LOW
     assert preflight.check_command("profile", ["--low", "int4-asym", "--budget", "+10%int4-asym"]) is None
     assert "must be in (0, 1000]%" in preflight.check_command("profile", ["--budget", "+0%int4-asym"])
+
+
+@pytest.mark.parametrize("serve, lows", [("vllm-cpu", {"int4", "int4-asym"}), (None, {"int4"})])
+def test_choose_int4_plans_every_setting_the_server_takes_at_the_same_bytes(model_dir, docs, tmp_path, serve, lows):
+    out = tmp_path / "c"
+    base = [a for a in _base(model_dir, docs, out)]
+    rc, stdout, err = _profile(*base, "--heldout-batches", 2, "--budget", "+25%int4", "--choose-int4",
+                               *(["--serve", serve] if serve else []))
+    assert rc == 0, err
+    saved = json.loads((out / "profile.json").read_text())
+    rows = saved["int4_settings"]["rows"]
+    assert saved["int4_settings"]["requested_budget"] == "+25%int4"
+    # the settings: every group of 128 / 64 / 32 dividing the tiny LLaMA's inputs (64 and 128 wide: 64 and 32), per
+    # low the server takes (transformers, the default export's reader, takes no zero points)
+    assert {(r["low"], r["group_size"]) for r in rows} == {(low, g) for low in lows for g in (64, 32)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    shapes, other = ct_shapes(model, decoder_linears(model))
+    total = ct_tensor_bytes(shapes, {}, other, 64) + int(0.25 * ct_tensor_bytes(shapes, {}, other, 64))
+    for r in rows:  # each at the same folder bytes: its own uniform folder plus what is left of the total
+        assert r["uniform_bytes"] == ct_tensor_bytes(shapes, {}, other, r["group_size"], r["low"])
+        assert r["uniform_bytes"] + r["budget_bytes"] == total and r["price_bytes"] <= r["budget_bytes"]
+    best = min(rows, key=lambda r: r["loss"]["heldout"])
+    assert best["chosen"] and sum(r["chosen"] for r in rows) == 1
+    plan = Plan.load(out)
+    assert (plan.low, plan.group_size, plan.budget_bytes) == (best["low"], best["group_size"], best["budget_bytes"])
+    assert (len(plan.on("int8")), len(plan.on("bf16")), plan.price_bytes) == (best["int8"], best["bf16"],
+                                                                             best["price_bytes"])
+    main = next(p for p in saved["plans"] if p["budget_bytes"] == best["budget_bytes"] and p["kind"] == "grouped")
+    assert main["loss"]["heldout"] == pytest.approx(best["loss"]["heldout"], abs=1e-9)  # measured again, the same
+    assert "**chosen**" in stdout and "INT4 settings at the same folder bytes" in stdout
+
+
+@pytest.mark.parametrize("extra, want", [
+    (["--low", "int4-asym"], "--choose-int4 chooses among the compressed-tensors INT4 settings"),
+    (["--group-size", "64"], "--choose-int4 chooses the group size: give it or --group-size, not both"),
+])
+def test_bad_choose_int4_requests_are_one_line(model_dir, docs, tmp_path, extra, want):
+    base = [a for a in _base(model_dir, docs, tmp_path / "o")]
+    if extra[0] == "--low":
+        base[base.index("--low") + 1] = extra[1]
+        extra = []
+    rc, _, err = _profile(*base, "--choose-int4", *extra)
+    assert rc == 2 and len(err) == 1 and want in err[0] and not (tmp_path / "o").exists()

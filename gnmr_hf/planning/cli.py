@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=None,
                    help="--low int4: the INT4 group the export will use (default 128, vLLM's W4A16 preset; it must "
                         "divide every decoder linear's input size); recorded in profile.json for the export")
+    p.add_argument("--choose-int4", action="store_true",
+                   help="--low int4: choose the INT4 setting too: every group of 128 / 64 / 32 that divides the "
+                        "model's inputs, symmetric and (where --serve names a vLLM target) asymmetric W4A16_ASYM, "
+                        "each planned at the same folder bytes (uniform W4A16 at the coarsest group plus --budget) "
+                        "against its own quantiser; the plan is made over the setting whose plan has the lowest "
+                        "held-out loss (the table printed; gnmr_hf.planning.int4_choice)")
     p.add_argument("--budget", default="10%",
                    help="memory over the all-low model (+10%%nf4, +10%%int8: the served model's bytes), a size "
                         "over it (300MB, 2GiB, 123456B, as served), or a share of the quantised weights' BF16 "
@@ -254,6 +260,13 @@ def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
         scheme = "W4A16" if memory[1] == "int4" else "W4A16_ASYM"
         raise ProfileError(f"--budget {args.budget} is memory over the uniform {scheme} ({memory[1]}) model, but --low "
                            f"is {args.low}")
+    if getattr(args, "choose_int4", False):
+        if args.low != "int4":
+            raise ProfileError(f"--choose-int4 chooses among the compressed-tensors INT4 settings (int4-asym included "
+                               f"where --serve takes it): give --low int4 (or --serve vllm-cpu / vllm-gpu), not "
+                               f"--low {args.low}")
+        if args.group_size is not None:
+            raise ProfileError("--choose-int4 chooses the group size: give it or --group-size, not both")
     if args.group_size is not None and not int4:
         raise ProfileError(f"--group-size is the INT4 group of --low int4 / int4-asym (the compressed-tensors "
                            f"export's), not of --low {args.low}")

@@ -23,8 +23,9 @@ import torch
 
 from gnmr_hf.planning.criteria import _criteria
 from gnmr_hf.planning.gguf_plan import GGUF_LOWS, block, rung_fake_quant
-from gnmr_hf.planning.groups import split_groups
+from gnmr_hf.planning.groups import decoder_linears, split_groups
 from gnmr_hf.planning.int4 import _largest_group, int8_fake_quant, low_fake_quant
+from gnmr_hf.planning.int4_choice import choose
 from gnmr_hf.planning.ladder import _loss
 from gnmr_hf.planning.make import layout_of, make_plan, plan_budget, plan_gains, plan_prices
 from gnmr_hf.planning.plan import Plan, PlanError
@@ -169,6 +170,14 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
     criteria = _criteria(getattr(args, "criterion", None) or "first_order")
     spec = _spec(args)
     model = _load_bf16(args, model_path, dtype, spec)
+    device = next(model.parameters()).device
+
+    def on(bs):
+        return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bs]
+
+    profile_b, heldout_b = on(batches), on(heldout)
+    if getattr(args, "choose_int4", False):  # the INT4 setting first, measured at the same folder bytes
+        spec = _choose_int4(args, model, profile_b, heldout_b)
     prices = plan_prices(model, ("int8", "bf16"), spec.low, group_size=spec.group_size)
     _check_group_size(model, prices.linears, spec)
     # --low int4: vLLM's groups unless --groups none (the export's default target); GGUF: free unless --groups vllm
@@ -182,12 +191,6 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
                                "(export it with --target transformers)") from None
         layout, no_layout = None, str(e)
     budget = _budget(args, prices, layout if want_groups else None, spec)
-    device = next(model.parameters()).device
-
-    def on(bs):
-        return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bs]
-
-    profile_b, heldout_b = on(batches), on(heldout)
     t0 = time.time()
     # the first --criterion plans (first_order, the default: the rungs' first-order gains; another registered
     # criterion runs once per rung, the rung's weight as its high path: gnmr_hf.planning.rung_criteria)
@@ -208,6 +211,21 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
     _write(args, out, model_path, model, prices, gains, rows, main_row, kind, budget, low, high, batches, heldout,
            dtype, started, spec)
     return 0
+
+
+def _choose_int4(args: argparse.Namespace, model, profile_b, heldout_b) -> _LowSpec:
+    """``--choose-int4`` (:mod:`gnmr_hf.planning.int4_choice`): ``args`` set to the chosen setting (its low, its
+    group, the budget over its uniform folder that gives the same bytes), its spec returned."""
+    linears = decoder_linears(model)
+    low, group, budget, rows = choose(args, model, profile_b, heldout_b,
+                                      lambda ns, pb, hb: _Swapper(model, linears, _spec(ns), pb, hb), _rungs(args),
+                                      args.groups != "none")
+    args.int4_settings = {"requested_budget": args.budget, "rows": rows}
+    args.low, args.group_size, args.budget = low, group, budget
+    print(f"[profile] --choose-int4: planning over {get_rung(low).exports['compressed-tensors']} group {group} "
+          f"(budget {budget} over its uniform folder: the same bytes as {args.int4_settings['requested_budget']} "
+          "over uniform W4A16)", flush=True)
+    return _spec(args)
 
 
 def _rows(args, model, prices, gains, swap: _Swapper, budget: int, layout, spec: _LowSpec
@@ -297,6 +315,8 @@ def _write(args, out: Path, model_path: Path, model, prices, gains, rows, main_r
               "command": "gnmr-hf profile " + shlex.join(args.argv)}
     if not spec.gguf:  # the names --low int4 files have carried since they were first written
         record["w4a16_bytes"], record["bf16_over_w4a16_bytes"] = base, record["bf16_over_low_bytes"]
+    if getattr(args, "int4_settings", None):  # --choose-int4: every setting tried, at the same bytes
+        record["int4_settings"] = args.int4_settings
     out.mkdir(parents=True, exist_ok=True)
     path = plan.save(out / "profile.json", **record)
     print(f"\nthe plan written ({kind}, budget {args.budget} = {budget / 2**20:.3f} MiB over uniform {spec.label}): "
