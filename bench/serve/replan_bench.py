@@ -73,9 +73,9 @@ def _export(name: str, args, work: Path, train: str, model_path: str):
     asym = name.endswith("-asym")
     if name.endswith("replan") or "replan-" in name:
         target = None if fmt == "gguf" else name.removeprefix("ct-replan-").removesuffix("-asym")
-        plan, _ = replan(model_path, args.adapter, fmt, train, out, group_size=args.group_size, target=target,
+        plan, _ = replan(model_path, args.adapter, fmt, train, out, group_size=_group(args, asym), target=target,
                          source="train.txt", low_type="W4A16_ASYM" if asym else None,
-                         budget=f"{_asym_budget(model_path, args.group_size)}B" if asym else None)
+                         budget=f"{_asym_budget(model_path, args.group_size, _group(args, asym))}B" if asym else None)
         info = {"int8": len(plan.on("int8")), "bf16": len(plan.on("bf16")), "price_bytes": plan.price_bytes,
                 "budget_bytes": plan.budget_bytes}
         plan_arg = plan_file
@@ -87,15 +87,21 @@ def _export(name: str, args, work: Path, train: str, model_path: str):
         s = export_gguf(model_path, plan_arg, out, adapter=args.adapter, uniform="Q4_0" if plan_arg is None else None)
         info.update(bytes=s["bytes"], linears=s["linears_by_type"])
     else:
-        s = export_compressed_tensors(model_path, plan_arg or {}, out, adapter=args.adapter, group_size=args.group_size,
+        s = export_compressed_tensors(model_path, plan_arg or {}, out, adapter=args.adapter, group_size=_group(args, asym),
                                       target="transformers" if name.endswith("retyped") else None)
         info["low"] = s["low"]
         info.update(bytes=s["bytes_on_disk"], schemes=s.get("schemes"))
     return out, fmt, info
 
 
-def _asym_budget(model_path: str, group_size: int) -> int:
-    """Bytes over uniform W4A16_ASYM that bring a folder to uniform W4A16's tensor bytes + 10 %."""
+def _group(args, asym: bool) -> int:
+    """The INT4 group of a row: ``--asym-group-size`` for the W4A16_ASYM rows where given, else ``--group-size``."""
+    return (args.asym_group_size or args.group_size) if asym else args.group_size
+
+
+def _asym_budget(model_path: str, group_size: int, asym_group: int) -> int:
+    """Bytes over uniform W4A16_ASYM (group ``asym_group``) that bring a folder to uniform W4A16's (group
+    ``group_size``) tensor bytes + 10 %."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,7 +112,7 @@ def _asym_budget(model_path: str, group_size: int) -> int:
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     shapes, other = ct_shapes(meta, decoder_linears(meta))
     w4 = ct_tensor_bytes(shapes, {}, other, group_size)
-    return int(1.1 * w4) - ct_tensor_bytes(shapes, {}, other, group_size, "int4-asym")
+    return int(1.1 * w4) - ct_tensor_bytes(shapes, {}, other, asym_group, "int4-asym")
 
 
 def run(args) -> None:
@@ -133,7 +139,8 @@ def run(args) -> None:
             continue
         t0 = time.time()
         path, fmt, info = _export(name, args, work, train, model_path)
-        r = score_export(model_path, path, fmt, args.adapter, held, group_size=args.group_size, low_type="Q4_0",
+        r = score_export(model_path, path, fmt, args.adapter, held, group_size=_group(args, name.endswith("-asym")),
+                         low_type="Q4_0",
                          source="heldout.txt", planned=not name.endswith("uniform"), ct_low=info.get("low", "int4"))
         doc["rows"][name] = {**info, **{k: r[k] for k in ("merged", "export", "uniform", "kept", "tokens")},
                              "seconds": round(time.time() - t0)}
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--asym", action="store_true", help="also the rows replanned over W4A16_ASYM (vLLM serves it)")
+    r.add_argument("--asym-group-size", type=int, default=None, help="--asym: their INT4 group (default --group-size)")
     args = p.parse_args(argv)
     if args.cmd == "make-text":
         make_text(args)
