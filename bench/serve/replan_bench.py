@@ -128,12 +128,11 @@ def run(args) -> None:
     model_path = resolve_model(args.model)
     train = (work / "train.txt").read_text(encoding="utf-8")
     held = (work / "heldout.txt").read_text(encoding="utf-8")
-    rows = ["gguf-uniform", "gguf-replan", "ct-uniform", "ct-replan-vllm", "ct-replan-vllm-cpu"]
+    # compressed-tensors first (the uniform W4A16 row before the rows measured against it), then GGUF
+    rows = ["ct-uniform", *(["ct-replan-vllm-asym", "ct-replan-vllm-cpu-asym"] if args.asym else []),
+            "ct-replan-vllm", "ct-replan-vllm-cpu", "gguf-uniform", "gguf-replan"]
     if args.train_plan:
-        rows[1:1] = ["gguf-retyped"]
-        rows.append("ct-retyped")
-    if args.asym:
-        rows += ["ct-replan-vllm-asym", "ct-replan-vllm-cpu-asym"]
+        rows += ["ct-retyped", "gguf-retyped"]
     for name in rows:
         if name in doc["rows"]:
             continue
