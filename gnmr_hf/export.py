@@ -84,6 +84,7 @@ from gnmr_hf.exports.card import (  # noqa: F401  (re-exported: the model card's
 from gnmr_hf.exports.compressed_tensors import check_options as _ct_options  # noqa: F401
 from gnmr_hf.offline.gguf_models import resolve_model
 from gnmr_hf.offline.text_data import read_text_source
+from gnmr_hf.rungs import get_rung
 from gnmr_hf.rungs.int4 import int4_low
 from gnmr_hf.serving import EXPORT_TARGETS, serve_target
 
@@ -240,7 +241,8 @@ def _format_for_plan(args) -> str | None:
         return None
     if args.fmt in target.formats:
         return None
-    low = f"W4A16 (group {plan.group_size})" if plan.low == "int4" else plan.low.upper()
+    low = (f"{get_rung(plan.low).exports['compressed-tensors']} (group {plan.group_size})" if plan.is_int4
+           else plan.low.upper())
     over = plan.chosen_by.get("low_model_bytes")
     price = "" if plan.price_bytes is None else (
         f" (it adds {plan.price_bytes / 2**20:.2f} MiB" + (f", +{100 * plan.price_bytes / over:.1f} %," if over else "")

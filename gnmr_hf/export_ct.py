@@ -396,7 +396,7 @@ def model_card(summary: dict[str, Any], model: str | os.PathLike) -> str:
                 summary["adapter"] else ", no adapter (the base model quantised for serving)."), "",
              "| scheme | decoder linears |", "|---|---|",
              f"| {summary['low_scheme']}: INT4 weight-only, group {summary['group_size']}, "
-             f"{'symmetric' if summary['low'] == 'int4' else 'asymmetric (a zero point per group)'} | {c['W4A16']} |",
+             f"{'symmetric' if INT4_LOWS[summary['low']] else 'asymmetric (a zero point per group)'} | {c['W4A16']} |",
              f"| W8A16: INT8 weight-only, per channel, symmetric | {c['W8A16']} |",
              f"| BF16 (unquantised, in `ignore`) | {c['BF16']} |", "",
              "`lm_head`, the embeddings and the norms stay unquantised. Linears above the INT4 rung:", ""]

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from gnmr_hf.export_folder import MARKER, ExportError
+from gnmr_hf.rungs import get_rung
+from gnmr_hf.rungs.int4 import INT4_LOWS
 
 #: the formats :func:`score_export` reads back
 SCORED_FORMATS = ("compressed-tensors", "gguf")
@@ -209,8 +211,8 @@ def score_export(model_path: str | os.PathLike, export_path: str | os.PathLike, 
     low = copy.deepcopy(base)
     if fmt == "compressed-tensors":
         fake_quantize_model(low, {}, group_size, low=ct_low)
-        sym = ct_low == "int4"
-        form = (f"every decoder linear W4A16{'' if sym else '_ASYM'} (INT4, group {group_size}, "
+        sym = INT4_LOWS[ct_low]
+        form = (f"every decoder linear {get_rung(ct_low).exports['compressed-tensors']} (INT4, group {group_size}, "
                 f"{'symmetric' if sym else 'a zero point per group'})")
         served = stock_ct_fp32(export_path, model_path, blks[0][:8]) if sym else ct_folder_fp32(export_path, model_path)
     else:

@@ -254,7 +254,7 @@ LAYERS = {
     # --replan: the export's own plan on the merged model (make_plan over INT4 or a GGUF type), scored as below
     "export_replan": {"export_folder", "export_score", "planning", "serving", "rungs"},
     # every export scores itself against the merged BF16 model: the marker's name, the uniform W4A16 fake quantiser
-    "export_score": {"export_folder", "planning"},
+    "export_score": {"export_folder", "planning", "rungs"},
     # what both exports share: the output-folder contract (paths only), the published model name (the alias list) and
     # check_sources, which calls load_planned's plan check and eval's adapter check (inside the function)
     "export_folder": {"offline", "planning", "evaluation"},

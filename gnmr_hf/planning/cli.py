@@ -20,6 +20,7 @@ from gnmr_hf.planning.plan import GGUF_LOWS, LOWS
 from gnmr_hf.planning.profile_int4 import INT4_POINTS, run_int4  # noqa: F401  (INT4_POINTS re-exported)
 from gnmr_hf.planning.profile_run import PRICE_POINTS, ProfileError, examples, run_bnb  # noqa: F401
 from gnmr_hf.reporting.report import OneLineErrorParser
+from gnmr_hf.rungs import get_rung
 from gnmr_hf.rungs.int4 import INT4_LOWS
 from gnmr_hf.serving import TARGETS as SERVE_TARGETS
 from gnmr_hf.serving import serve_target
@@ -257,7 +258,7 @@ def _check_args(args: argparse.Namespace) -> tuple[str, ...]:
     int4 = args.low in INT4_LOWS
     memory = parse_memory_budget(args.budget, lows=_LOW)  # "+10%nf4", "+10%int4": priced once the model is known
     if memory is not None and memory[1] in INT4_LOWS and memory[1] != args.low:
-        scheme = "W4A16" if memory[1] == "int4" else "W4A16_ASYM"
+        scheme = get_rung(memory[1]).exports["compressed-tensors"]
         raise ProfileError(f"--budget {args.budget} is memory over the uniform {scheme} ({memory[1]}) model, but --low "
                            f"is {args.low}")
     if getattr(args, "choose_int4", False):

@@ -44,7 +44,7 @@ def weight_fake_quant(weight, num_bits: int, group_size: int | None = None, symm
     eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
     if not symmetric:
         scale = (hi - lo) / torch.tensor(float(q_max - q_min)).to(w.dtype)
-        zero = torch.round(torch.clamp(torch.clamp(q_min - lo / scale, q_min, q_max), -128, 127)).to(torch.int8)
+        zero = torch.round(torch.clamp(q_min - lo / scale, q_min, q_max)).to(torch.int8)
         scale = torch.where(scale == 0, eps, scale)
         z = zero.to(w.dtype).unsqueeze(-1)
         codes = torch.round(torch.clamp(x / scale.unsqueeze(-1) + z, q_min, q_max))

@@ -48,8 +48,8 @@ INT4_LOWS = {"int4": True, "int4-asym": False}
 def int4_low(scheme: str | None) -> str:
     """A compressed-tensors scheme name (``W4A16``, the default for None, or ``W4A16_ASYM``; case and ``-`` / ``_``
     ignored) as its INT4 low (``"int4"``, ``"int4-asym"``); ValueError in one line otherwise."""
-    lows = {"W4A16": "int4", "W4A16_ASYM": "int4-asym"}
-    t = (scheme or "W4A16").upper().replace("-", "_")
+    lows = {r.exports["compressed-tensors"]: r.name for r in (RUNG, ASYM)}  # W4A16 -> int4, W4A16_ASYM -> int4-asym
+    t = (scheme or RUNG.exports["compressed-tensors"]).upper().replace("-", "_")
     if t not in lows:
         raise ValueError(f"{scheme}: a compressed-tensors export writes its low linears as {' or '.join(lows)}")
     return lows[t]
