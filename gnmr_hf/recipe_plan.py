@@ -385,8 +385,8 @@ def saved_plan_policy(recipe: Recipe, model, model_path: str) -> tuple[Any, dict
         elif "units" in data and "losses" in data:  # a profile with its plan: the profile, the run's record
             SensitivityProfile.from_dict(data).to_json(out / "profile.json", plan=record,
                                                        skip_modules=plan.skip_modules())
-        else:
-            plan.save(out / "profile.json", plan=record)
+        else:  # the plan as saved, with the server this run was planned for (profile.serve) recorded on it
+            dataclasses.replace(plan, serve=served.serve).save(out / "profile.json", plan=record)
         print(f"profile.plan {plan.source}: {plan.describe()}, {len(chosen)} planned linear(s), used as saved (nothing "
               f"profiled); {price / 2**20:.2f} MiB served over the NF4 model")
 

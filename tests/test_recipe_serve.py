@@ -170,3 +170,19 @@ def test_the_export_writes_the_plan_s_server_format_and_refuses_another(tiny, ru
         assert f"was made for vllm-gpu, which loads --format compressed-tensors, not {fmt}" in err[0]
         assert f"(it adds {record['price_over_nf4_bytes'] / 2**20:.2f} MiB, " \
                f"+{100 * record['memory_over_nf4']:.1f} %, over the all-NF4 model)" in err[0]
+
+
+def test_a_saved_plan_trained_with_profile_serve_records_the_server_in_the_run_s_plan(tiny, runs, tmp_path):
+    from transformers import AutoTokenizer
+
+    made = Plan.load(runs["vllm-cpu"][0] / "profile.json")
+    bare = Plan(dict(made.rungs), low="nf4", groups="vllm", budget=made.budget, budget_bytes=made.budget_bytes,
+                model_identity=made.model_identity).save(tmp_path / "bare.json")  # no server named on it
+    assert Plan.load(bare).serve is None
+    out = tmp_path / "run"
+    r = _recipe("planned-nf4.yaml", "--profile.plan", str(bare), "--profile.serve", "vllm-cpu", "--output_dir",
+                str(out), "--compute_dtype", "float32", "--per_device_train_batch_size", "2", "--disable_tqdm", "true")
+    model = finetune.load_model(r, str(tiny))
+    _, record = finetune.planned_policy(r, model, _rows(), AutoTokenizer.from_pretrained(tiny), str(tiny))
+    saved = Plan.load(out / "profile.json")
+    assert record["serve"] == saved.serve == "vllm-cpu" and saved.rungs == made.rungs
