@@ -7,7 +7,8 @@ that the plan could spend on BF16 or INT8 linears instead, and which pays depend
 symmetric INT4 at the coarsest group that divides every decoder linear's input, plus ``--budget`` over it), each
 plan's loss measured with that setting's quantiser applied in torch, and the setting whose plan has the lowest
 held-out loss (the profile batches' loss without ``--heldout-batches``) is the one the run plans over and writes.
-Cost: one first-order gains pass (a forward and backward per profile batch) and two loss passes per setting.
+Cost: one gains pass (first-order: a forward and backward per profile batch) and two loss passes per setting; the
+winner's prices and gains are returned for the run to plan with, not measured again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from gnmr_hf.planning.profile_run import ProfileError
 from gnmr_hf.rungs import get_rung
 from gnmr_hf.serving import serve_target
 
+#: the rungs every setting is priced and profiled on, as ``gnmr-hf profile --low int4`` prices them (its plans then
+#: buy ``--serve``'s rungs among them)
+PRICED = ("int8", "bf16")
 #: the INT4 groups tried (vLLM's and compressed-tensors' presets use 128; 32 and 64 where a checkpoint pays for them)
 GROUPS = (128, 64, 32)
 
@@ -42,21 +46,22 @@ def candidates(model, serve: str | None) -> tuple[list[tuple[str, int]], int]:
 
 
 def choose(args: argparse.Namespace, model, profile_b, heldout_b, swapper, rungs: tuple[str, ...],
-           grouped: bool) -> tuple[str, int, str, list[dict[str, Any]]]:
-    """Plan every candidate setting at the reference's bytes plus ``args.budget``; returns ``(low, group, budget
-    over the winner's uniform folder as "NB", the table rows)`` and prints the table. ``swapper(spec_args)``
-    builds the loss measurer of a setting (:class:`gnmr_hf.planning.profile_int4._Swapper`)."""
+           grouped: bool, criterion: str | None = None) -> tuple[str, int, str, list[dict[str, Any]], tuple]:
+    """Plan every candidate setting at the reference's bytes plus ``args.budget`` (gains by ``criterion``, the
+    run's); returns ``(low, group, budget over the winner's uniform folder as "NB", the table rows, (the winner's
+    PlanPrices, its PlanGains))`` and prints the table. ``swapper(spec_args)`` builds the loss measurer of a setting
+    (:class:`gnmr_hf.planning.profile_int4._Swapper`)."""
     cands, ref_group = candidates(model, getattr(args, "serve", None))
-    ref = plan_prices(model, rungs, "int4", group_size=ref_group)
+    ref = plan_prices(model, PRICED, "int4", group_size=ref_group)
     layout = layout_of(model, "vllm", ref) if grouped else None
     try:
         budget = plan_budget(args.budget, ref, layout=layout)
     except PlanError as e:
         raise ProfileError(f"--choose-int4: --budget {args.budget} over uniform W4A16 (group {ref_group}): {e}") from None
     total = ref.low_model_bytes + budget
-    rows = []
+    rows, measured = [], {}
     for low, g in cands:
-        prices = plan_prices(model, rungs, low, group_size=g)
+        prices = plan_prices(model, PRICED, low, group_size=g)
         row = {"low": low, "group_size": g, "scheme": get_rung(low).exports["compressed-tensors"],
                "uniform_bytes": prices.low_model_bytes, "budget_bytes": total - prices.low_model_bytes}
         rows.append(row)
@@ -64,7 +69,8 @@ def choose(args: argparse.Namespace, model, profile_b, heldout_b, swapper, rungs
             row["skipped"] = "its uniform folder alone is over the bytes"
             continue
         try:  # the gains first: they are taken at the model's own (BF16) weights, which the losses swap out
-            gains = plan_gains(model, profile_b, prices, None)
+            gains = plan_gains(model, profile_b, prices, criterion)
+            measured[low, g] = (prices, gains)
             plan = make_plan(model, profile_b, row["budget_bytes"], rungs, "vllm" if grouped else None, low=low,
                              group_size=g, prices=prices, gains=gains)
         except PlanError as e:
@@ -85,7 +91,8 @@ def choose(args: argparse.Namespace, model, profile_b, heldout_b, swapper, rungs
     for r in rows:
         r["chosen"] = r is best
     _print(rows, total, key, ref_group)
-    return best["low"], best["group_size"], f"{best['budget_bytes']}B", rows
+    return (best["low"], best["group_size"], f"{best['budget_bytes']}B", rows,
+            measured[best["low"], best["group_size"]])
 
 
 def _print(rows: list[dict[str, Any]], total: int, key: str, ref_group: int) -> None:

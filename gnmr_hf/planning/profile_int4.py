@@ -176,9 +176,10 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
         return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bs]
 
     profile_b, heldout_b = on(batches), on(heldout)
+    chosen = None  # --choose-int4: the winner's prices and gains, measured while choosing
     if getattr(args, "choose_int4", False):  # the INT4 setting first, measured at the same folder bytes
-        spec = _choose_int4(args, model, profile_b, heldout_b)
-    prices = plan_prices(model, ("int8", "bf16"), spec.low, group_size=spec.group_size)
+        spec, chosen = _choose_int4(args, model, profile_b, heldout_b, criteria[0])
+    prices = chosen[0] if chosen else plan_prices(model, ("int8", "bf16"), spec.low, group_size=spec.group_size)
     _check_group_size(model, prices.linears, spec)
     # --low int4: vLLM's groups unless --groups none (the export's default target); GGUF: free unless --groups vllm
     want_groups = args.groups == "vllm" if spec.gguf else args.groups != "none"
@@ -194,9 +195,9 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
     t0 = time.time()
     # the first --criterion plans (first_order, the default: the rungs' first-order gains; another registered
     # criterion runs once per rung, the rung's weight as its high path: gnmr_hf.planning.rung_criteria)
-    gains = plan_gains(model, profile_b, prices, criteria[0], progress=not args.quiet)
-    print(f"[profile] rung gains ({gains.criterion}) against {spec.what} on {len(batches)} batch(es) in "
-          f"{time.time() - t0:.0f} s", flush=True)
+    gains = chosen[1] if chosen else plan_gains(model, profile_b, prices, criteria[0], progress=not args.quiet)
+    print(f"[profile] rung gains ({gains.criterion}) against {spec.what} on {len(batches)} batch(es) "
+          + ("(measured while choosing the setting)" if chosen else f"in {time.time() - t0:.0f} s"), flush=True)
     swap = _Swapper(model, prices.linears, spec, profile_b, heldout_b)
     try:
         rows, low, high = _rows(args, model, prices, gains, swap, budget, layout, spec)
@@ -213,19 +214,20 @@ def run_int4(args: argparse.Namespace, model_path: Path, batches, heldout, dtype
     return 0
 
 
-def _choose_int4(args: argparse.Namespace, model, profile_b, heldout_b) -> _LowSpec:
+def _choose_int4(args: argparse.Namespace, model, profile_b, heldout_b, criterion: str) -> tuple[_LowSpec, tuple]:
     """``--choose-int4`` (:mod:`gnmr_hf.planning.int4_choice`): ``args`` set to the chosen setting (its low, its
-    group, the budget over its uniform folder that gives the same bytes), its spec returned."""
+    group, the budget over its uniform folder that gives the same bytes); returns its spec and its (prices,
+    gains), which the run plans with."""
     linears = decoder_linears(model)
-    low, group, budget, rows = choose(args, model, profile_b, heldout_b,
-                                      lambda ns, pb, hb: _Swapper(model, linears, _spec(ns), pb, hb), _rungs(args),
-                                      args.groups != "none")
+    low, group, budget, rows, measured = choose(args, model, profile_b, heldout_b,
+                                                lambda ns, pb, hb: _Swapper(model, linears, _spec(ns), pb, hb),
+                                                _rungs(args), args.groups != "none", criterion)
     args.int4_settings = {"requested_budget": args.budget, "rows": rows}
     args.low, args.group_size, args.budget = low, group, budget
     print(f"[profile] --choose-int4: planning over {get_rung(low).exports['compressed-tensors']} group {group} "
           f"(budget {budget} over its uniform folder: the same bytes as {args.int4_settings['requested_budget']} "
           "over uniform W4A16)", flush=True)
-    return _spec(args)
+    return _spec(args), measured
 
 
 def _rows(args, model, prices, gains, swap: _Swapper, budget: int, layout, spec: _LowSpec
